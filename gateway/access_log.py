@@ -1,0 +1,41 @@
+"""The access log: off by default; one line per request, as text or JSON, when asked for."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from aiohttp.abc import AbstractAccessLogger
+from aiohttp.web import BaseRequest, StreamResponse
+
+
+def _fields(request: BaseRequest, response: StreamResponse, duration: float) -> dict[str, object]:
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "remote": request.remote,
+        "method": request.method,
+        "path": request.rel_url.raw_path_qs,
+        "status": response.status,
+        "bytes": response.body_length,
+        "duration_ms": round(duration * 1000, 3),
+        "user_agent": request.headers.get("User-Agent", ""),
+    }
+
+
+class TextAccessLogger(AbstractAccessLogger):
+    def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
+        f = _fields(request, response, time)
+        self.logger.info(
+            '%s "%s %s" %s %s %.3fms "%s"',
+            f["remote"], f["method"], f["path"], f["status"], f["bytes"], f["duration_ms"], f["user_agent"],
+        )
+
+
+class JsonAccessLogger(AbstractAccessLogger):
+    def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
+        self.logger.info(json.dumps(_fields(request, response, time)))
+
+
+ACCESS_LOG_FORMATS = {"text": TextAccessLogger, "json": JsonAccessLogger}
+access_logger = logging.getLogger("gateway.access")

@@ -1,0 +1,41 @@
+"""Assembles one gateway from its config: store, limiter, proxy handler, metrics, and the two aiohttp apps."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from gateway.admin import admin_app
+from gateway.config.model import GatewayConfig
+from gateway.limiter.limiter import Limiter
+from gateway.limiter.store import StoreError
+from gateway.limiter.store_factory import make_store
+from gateway.metrics import Metrics
+from gateway.proxy.handler import ProxyHandler
+
+log = logging.getLogger(__name__)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, *, multiprocess_metrics: bool = False) -> None:
+        self.config = config
+        self.metrics = Metrics(multiprocess=multiprocess_metrics)
+        self.store = make_store(config.store)
+        self.limiter = Limiter(self.store, local_divisor=config.store.local_divisor if config.store else 1)
+        self.handler = ProxyHandler(config, self.limiter, self.metrics)
+        self.public_app = web.Application()
+        self.public_app.router.add_route("*", "/{tail:.*}", self.handler.handle)
+        self.admin_app = admin_app(config, self.limiter, self.metrics)
+
+    async def start(self) -> None:
+        try:
+            await self.store.start()
+        except StoreError as exc:
+            # Not fatal: each check retries, and each limit's failure policy covers the gap.
+            log.warning("store not reachable at start, failure policies apply until it is: %s", exc)
+        await self.handler.start()
+
+    async def close(self) -> None:
+        await self.handler.close()
+        await self.store.close()

@@ -1,0 +1,106 @@
+"""The parsed configuration: immutable, typed, and trusted by every other module.
+
+Nothing here reads files or validates; `gateway.config.loader` builds these
+objects once, and the rest of the gateway only reads them.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+from dataclasses import dataclass
+
+from gateway.config.units import Address, Rate
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class FailurePolicy(enum.Enum):
+    """What a limit does when the shared store errors or times out."""
+
+    OPEN = "open"  # allow: fairness limits, where an outage must not become our outage
+    CLOSED = "closed"  # reject with 503: limits that protect something fragile
+    LOCAL = "local"  # decide with a conservative in-process bucket
+
+
+@dataclass(frozen=True, kw_only=True)
+class IdentitySource:
+    """Where a client identity comes from: the peer address, or a named header, query or cookie."""
+
+    kind: str  # "ip" | "header" | "query" | "cookie"
+    name: str = ""
+
+    def __str__(self) -> str:
+        return self.kind if self.kind == "ip" else f"{self.kind}:{self.name}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limit:
+    name: str
+    rate: Rate
+    burst: float
+    key: tuple[IdentitySource, ...]
+    on_store_error: FailurePolicy
+
+    @property
+    def refill_seconds(self) -> float:
+        """How long an empty bucket takes to fill completely."""
+        return self.burst / self.rate.per_second
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouteLimit:
+    limit: Limit
+    cost: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Match:
+    path: str
+    methods: frozenset[str] | None = None
+    host: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpstreamTimeout:
+    connect: float
+    read: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Route:
+    match: Match
+    upstream: str
+    limits: tuple[RouteLimit, ...]
+    strip_prefix: bool
+    preserve_host: bool
+    timeout: UpstreamTimeout
+
+    @property
+    def label(self) -> str:
+        """The route's name in metrics: its prefix and methods, never anything a client chose."""
+        methods = " " + ",".join(sorted(self.match.methods)) if self.match.methods else ""
+        return f"{self.match.host or ''}{self.match.path}{methods}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    url: str
+    timeout: float
+    prefix: str
+    local_divisor: int
+    max_connections: int
+    key_secret: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayConfig:
+    source: str
+    listen: Address
+    admin_listen: Address
+    workers: int
+    store: StoreConfig | None
+    trusted_proxies: tuple[IPNetwork, ...]
+    limits: tuple[Limit, ...]
+    routes: tuple[Route, ...]
+    shutdown_grace: float

@@ -1,0 +1,96 @@
+"""Parsers for the small value languages inside the YAML: rates, durations, addresses.
+
+Each parser takes the raw YAML scalar and returns a typed value or raises
+ValueError with a message that says what was expected. The caller adds the
+file name and YAML path.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_PERIOD_WORDS = {"second": 1.0, "minute": 60.0, "hour": 3600.0, "day": 86400.0}
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
+_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(\S+)\s*$")
+
+
+@dataclass(frozen=True)
+class Rate:
+    """A refill rate: `tokens` per `period_seconds`, kept as written for display."""
+
+    tokens: float
+    period_seconds: float
+    text: str
+
+    @property
+    def per_second(self) -> float:
+        return self.tokens / self.period_seconds
+
+
+@dataclass(frozen=True)
+class Address:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def parse_duration(value: object) -> float:
+    """'10ms', '1.5s', '2m', '1h', '1d' -> seconds."""
+    if isinstance(value, bool) or not isinstance(value, str):
+        raise ValueError(f"expected a duration with a unit such as 10ms, 2s or 1m, got {value!r}")
+    match = _DURATION_RE.match(value)
+    if not match:
+        raise ValueError(f"expected a duration with a unit such as 10ms, 2s or 1m, got {value!r}")
+    seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    if seconds <= 0:
+        raise ValueError(f"expected a duration greater than zero, got {value!r}")
+    return seconds
+
+
+def parse_rate(value: object) -> Rate:
+    """'100/minute', '5/second', '1/hour', '10/day', '100/10s', '3/500ms' -> Rate."""
+    expected = "expected a rate such as 100/minute, 5/second, 100/10s or 3/500ms"
+    if isinstance(value, bool) or not isinstance(value, str):
+        raise ValueError(f"{expected}, got {value!r}")
+    match = _RATE_RE.match(value)
+    if not match:
+        raise ValueError(f"{expected}, got {value!r}")
+    tokens = float(match.group(1))
+    period = match.group(2)
+    if period in _PERIOD_WORDS:
+        seconds = _PERIOD_WORDS[period]
+    else:
+        try:
+            seconds = parse_duration(period)
+        except ValueError:
+            raise ValueError(f"{expected}, got {value!r}") from None
+    if tokens <= 0:
+        raise ValueError(f"expected a rate greater than zero, got {value!r}")
+    return Rate(tokens=tokens, period_seconds=seconds, text=value.strip())
+
+
+def parse_address(value: object) -> Address:
+    """'0.0.0.0:8080', '[::1]:8080', 'localhost:8080' -> Address."""
+    expected = "expected HOST:PORT such as 0.0.0.0:8080 or [::1]:8080"
+    if not isinstance(value, str):
+        raise ValueError(f"{expected}, got {value!r}")
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"{expected}, got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{expected}, got {value!r}") from None
+    elif ":" in host or not re.fullmatch(r"[A-Za-z0-9.\-]+", host):
+        raise ValueError(f"{expected}, got {value!r}")
+    port = int(port_text)
+    if port > 65535:
+        raise ValueError(f"port must be 0..65535, got {port}")
+    return Address(host=host, port=port)

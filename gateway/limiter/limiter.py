@@ -1,0 +1,128 @@
+"""The decision the proxy asks for: check a request's limits, and apply each
+limit's failure policy when the store cannot answer.
+
+Trusts the store to be atomic and to raise only `StoreError`. When it does,
+each limit's `on_store_error` decides: `open` allows, `closed` rejects (the
+proxy answers 503), and `local` asks an in-process bucket whose rate and burst
+are the global ones divided by `store.local_divisor`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.config.model import FailurePolicy, Limit
+from gateway.limiter.memory_store import MemoryStore
+from gateway.limiter.store import LimitCheck, Store, StoreError
+
+log = logging.getLogger(__name__)
+
+# Store failures come in floods; one line a second says enough.
+FAILURE_LOG_INTERVAL = 1.0
+
+# "skipped": this limit had room, but another denied the request, so nothing was charged.
+ALLOW, DENY, SKIPPED = "allow", "deny", "skipped"
+FAIL_OPEN, FAIL_CLOSED, FAIL_LOCAL = "fail_open", "fail_closed", "fail_local"
+_FAILURE_OUTCOME = {FailurePolicy.OPEN: FAIL_OPEN, FailurePolicy.CLOSED: FAIL_CLOSED, FailurePolicy.LOCAL: FAIL_LOCAL}
+
+
+@dataclass(frozen=True, slots=True)
+class LimitStatus:
+    limit: Limit
+    cost: int
+    remaining: float | None  # None when unknown: the store failed and the limit failed open
+    outcome: str  # allow | deny | skipped | fail_open | fail_closed | fail_local
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    allowed: bool
+    statuses: tuple[LimitStatus, ...]
+    retry_after: float  # seconds; 0 when allowed
+    store_failed: bool  # denied because a fail-closed limit could not be checked
+
+
+class Limiter:
+    def __init__(self, store: Store, *, local_divisor: int = 1) -> None:
+        self.store = store
+        self._local_divisor = local_divisor
+        self._local_store = MemoryStore()
+        self._local_limits: dict[str, Limit] = {}
+        self._last_failure_log = -FAILURE_LOG_INTERVAL
+        self.store_error: str | None = None  # the last failure, until the store answers again
+
+    async def check(self, checks: Sequence[LimitCheck]) -> Decision:
+        if not checks:
+            return Decision(allowed=True, statuses=(), retry_after=0.0, store_failed=False)
+        try:
+            answer = await self.store.check(checks)
+        except StoreError as exc:
+            return self._on_store_error(checks, exc)
+        self.store_error = None
+        statuses = tuple(
+            LimitStatus(
+                limit=c.limit,
+                cost=c.cost,
+                remaining=left,
+                outcome=ALLOW if answer.allowed else (DENY if left < c.cost else SKIPPED),
+            )
+            for c, left in zip(checks, answer.remaining)
+        )
+        return Decision(allowed=answer.allowed, statuses=statuses, retry_after=answer.retry_after, store_failed=False)
+
+    def _on_store_error(self, checks: Sequence[LimitCheck], exc: StoreError) -> Decision:
+        self.store_error = str(exc)
+        now = time.monotonic()
+        if now - self._last_failure_log >= FAILURE_LOG_INTERVAL:
+            self._last_failure_log = now
+            policies = ", ".join(f"{c.limit.name}={c.limit.on_store_error.value}" for c in checks)
+            log.warning("store failed, applying failure policies (%s): %s", policies, exc)
+        policies = [c.limit.on_store_error for c in checks]
+        if FailurePolicy.CLOSED in policies:
+            statuses = tuple(LimitStatus(c.limit, c.cost, None, _FAILURE_OUTCOME[c.limit.on_store_error]) for c in checks)
+            return Decision(allowed=False, statuses=statuses, retry_after=1.0, store_failed=True)
+        local = [
+            dataclasses.replace(c, limit=self._local_limit(c.limit))
+            for c in checks
+            if c.limit.on_store_error is FailurePolicy.LOCAL
+        ]
+        answer = self._local_store.check_now(local) if local else None
+        remaining = iter(answer.remaining if answer else ())
+        statuses = tuple(
+            LimitStatus(
+                limit=c.limit,
+                cost=c.cost,
+                remaining=next(remaining) if c.limit.on_store_error is FailurePolicy.LOCAL else None,
+                outcome=_FAILURE_OUTCOME[c.limit.on_store_error],
+            )
+            for c in checks
+        )
+        allowed = answer.allowed if answer else True
+        return Decision(
+            allowed=allowed, statuses=statuses, retry_after=answer.retry_after if answer else 0.0, store_failed=False
+        )
+
+    def _local_limit(self, limit: Limit) -> Limit:
+        """The conservative stand-in for `limit`: this instance's share of the fleet's limit."""
+        local = self._local_limits.get(limit.name)
+        if local is None:
+            divisor = self._local_divisor
+            rate = dataclasses.replace(limit.rate, tokens=limit.rate.tokens / divisor)
+            # At least one token, or a small burst split many ways would never let anything through.
+            local = dataclasses.replace(limit, rate=rate, burst=max(1.0, limit.burst / divisor))
+            self._local_limits[limit.name] = local
+        return local
+
+    async def ready(self) -> tuple[bool, str]:
+        """Whether to serve: the store answers, or every limit's policy lets us serve without it."""
+        try:
+            await self.store.ping()
+        except StoreError as exc:
+            self.store_error = str(exc)
+            return False, str(exc)
+        self.store_error = None
+        return True, "ok"

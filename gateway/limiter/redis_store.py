@@ -1,0 +1,130 @@
+"""The shared store: token buckets in Redis, checked and charged by one Lua script.
+
+Every gateway process runs `lua/token_bucket.lua` against the same Redis, so
+no interleaving of requests lets a client exceed its limit. All buckets of a
+request go into one script call: one round trip, all-or-nothing.
+
+Trusts Redis to answer correctly, not promptly: each check is bounded by
+`store.timeout`, including the wait for a pooled connection, and never
+retried, since a retried EVALSHA could charge a client twice. Every redis-py
+exception becomes `StoreError` here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+from importlib import resources
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisError
+
+from gateway.config.model import StoreConfig
+from gateway.limiter.keys import bucket_key, identity_digest
+from gateway.limiter.store import LimitCheck, StoreDecision, StoreError
+
+log = logging.getLogger(__name__)
+
+SCRIPT_NAME = "token_bucket.lua"
+# Gateways sharing a Redis share this identity-hashing secret unless key_secret is set.
+SECRET_KEY_SUFFIX = "identity-secret"
+
+
+def load_script(name: str = SCRIPT_NAME) -> str:
+    """A Lua script shipped inside the package (the top-level `lua/` folder)."""
+    return resources.files("gateway.lua").joinpath(name).read_text(encoding="utf-8")
+
+
+def redacted(url: str) -> str:
+    """The URL without its password, for logs and /readyz."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+class RedisStore:
+    def __init__(self, config: StoreConfig) -> None:
+        self._config = config
+        self.description = f"redis {redacted(config.url)}"
+        self._script = load_script()
+        self._sha: str | None = None
+        self._secret: bytes | None = config.key_secret.encode() if config.key_secret else None
+        pool = redis.BlockingConnectionPool.from_url(
+            config.url,
+            max_connections=config.max_connections,
+            # The whole check is bounded by asyncio.timeout(store.timeout); these are backstops.
+            timeout=None,
+            socket_timeout=max(config.timeout * 10, 1.0),
+            socket_connect_timeout=max(config.timeout * 10, 1.0),
+            # redis-py retries 3 times with backoff by default: a SIGSTOPped Redis
+            # then held each request for ~5 s. One attempt, bounded by our timeout.
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            retry_on_error=[],
+            health_check_interval=0,
+        )
+        self._client = redis.Redis(connection_pool=pool)
+
+    async def start(self) -> None:
+        await self._with_timeout(self._prepare(), timeout=max(self._config.timeout, 1.0))
+
+    async def ping(self) -> None:
+        await self._with_timeout(self._client.ping(), timeout=max(self._config.timeout, 0.25))
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def check(self, checks: Sequence[LimitCheck]) -> StoreDecision:
+        return await self._with_timeout(self._check(checks), timeout=self._config.timeout)
+
+    async def _prepare(self) -> None:
+        if self._secret is None:
+            # The first gateway to start picks the secret; the rest of the fleet reads it.
+            name = f"{self._config.prefix}{SECRET_KEY_SUFFIX}"
+            await self._client.set(name, os.urandom(32).hex(), nx=True)
+            value = await self._client.get(name)
+            if value is None:
+                raise StoreError(f"the identity secret {name!r} vanished from Redis")
+            self._secret = value
+        self._sha = await self._client.script_load(self._script)
+
+    async def _check(self, checks: Sequence[LimitCheck]) -> StoreDecision:
+        if self._secret is None or self._sha is None:
+            await self._prepare()
+        assert self._secret is not None and self._sha is not None
+        keys = [bucket_key(self._config.prefix, c.limit.name, identity_digest(self._secret, c.identity)) for c in checks]
+        args: list[str] = []
+        for c in checks:
+            args += [repr(float(c.limit.burst)), repr(c.limit.rate.per_second), str(c.cost)]
+        try:
+            reply = await self._client.evalsha(self._sha, len(keys), *keys, *args)
+        except NoScriptError:
+            # The script cache is empty after a restart, a failover or SCRIPT FLUSH.
+            # NOSCRIPT means nothing ran, so sending the script itself is safe.
+            reply = await self._client.eval(self._script, len(keys), *keys, *args)
+        allowed, remaining, retry_ms = reply
+        retry_ms = int(retry_ms)
+        return StoreDecision(
+            allowed=bool(int(allowed)),
+            remaining=tuple(float(r) for r in remaining),
+            retry_after=float("inf") if retry_ms < 0 else retry_ms / 1000,
+        )
+
+    async def _with_timeout(self, work, *, timeout: float):
+        try:
+            async with asyncio.timeout(timeout):
+                return await work
+        except TimeoutError:
+            raise StoreError(f"{self.description}: no answer within {timeout * 1000:g} ms") from None
+        except RedisError as exc:
+            raise StoreError(f"{self.description}: {exc}") from None
+        except OSError as exc:
+            raise StoreError(f"{self.description}: {exc.strerror or exc}") from None

@@ -1,0 +1,49 @@
+"""The one small interface between the limiter and wherever the counts live.
+
+A store takes the request's list of (limit, identity, cost) and answers with a
+decision in one atomic step: all limits allow and all are charged, or nothing
+is charged. It knows nothing of HTTP. Every failure to reach the shared
+state is raised as `StoreError`; library exceptions never cross this line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.config.model import Limit
+
+
+class StoreError(Exception):
+    """The store could not answer (down, slow, or refusing); the limit's failure policy decides."""
+
+
+@dataclass(frozen=True, slots=True)
+class LimitCheck:
+    limit: Limit
+    identity: str  # "source=value", as the client presented it; hashed by the store
+    cost: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreDecision:
+    allowed: bool
+    remaining: tuple[float, ...]  # per check, in order
+    retry_after: float  # seconds; 0 when allowed
+
+
+class Store(Protocol):
+    description: str  # for logs and /readyz, with any password removed
+
+    async def start(self) -> None:
+        """Open connections. May raise StoreError; the gateway still starts and retries."""
+
+    async def check(self, checks: Sequence[LimitCheck]) -> StoreDecision:
+        """Check all buckets and charge them all, or none. Raises StoreError."""
+
+    async def ping(self) -> None:
+        """Raise StoreError unless the store answers now."""
+
+    async def close(self) -> None:
+        """Release connections."""

@@ -1,0 +1,24 @@
+"""Pick the store for a config: a table keyed by URL scheme, never an import path from YAML."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+from gateway.config.model import StoreConfig
+from gateway.limiter.memory_store import MemoryStore
+from gateway.limiter.redis_store import RedisStore
+from gateway.limiter.store import Store
+
+STORES_BY_SCHEME: dict[str, Callable[[StoreConfig], Store]] = {
+    "redis": RedisStore,
+    "rediss": RedisStore,
+    "unix": RedisStore,
+}
+
+
+def make_store(config: StoreConfig | None) -> Store:
+    """The in-process store when no store is configured; otherwise the store for the URL's scheme."""
+    if config is None:
+        return MemoryStore()
+    return STORES_BY_SCHEME[urlsplit(config.url).scheme](config)

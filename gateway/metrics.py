@@ -1,0 +1,59 @@
+"""Prometheus metrics for dashboards. No label ever holds a client identity:
+routes are labelled by their configured match, methods by a fixed set."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from gateway import __version__
+
+# Anything else a client sends is counted as OTHER, so clients cannot mint label values.
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "CONNECT", "TRACE"})
+UNMATCHED_ROUTE = "unmatched"
+# From a same-host Redis (~0.1 ms) up past the largest sensible store.timeout.
+LIMITER_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
+UPSTREAM_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def method_label(method: str) -> str:
+    return method if method in KNOWN_METHODS else "OTHER"
+
+
+class Metrics:
+    def __init__(self, *, multiprocess: bool = False) -> None:
+        # Each gateway has its own registry, so several can run in one process (tests, gateway.testing).
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._multiprocess = multiprocess
+        r = self.registry
+        self.requests = Counter(
+            "gateway_requests", "Requests answered, by route, method and status class.",
+            ["route", "method", "status_class"], registry=r,
+        )
+        self.decisions = Counter(
+            "gateway_limiter_decisions", "Limiter decisions, by route, limit and decision.",
+            ["route", "limit", "decision"], registry=r,
+        )
+        self.limiter_latency = Histogram(
+            "gateway_limiter_latency_seconds", "Time to decide a request's limits, store call included.",
+            buckets=LIMITER_BUCKETS, registry=r,
+        )
+        self.upstream_latency = Histogram(
+            "gateway_upstream_latency_seconds", "Time from sending upstream to the response headers, by route.",
+            ["route"], buckets=UPSTREAM_BUCKETS, registry=r,
+        )
+        self.in_flight = Gauge(
+            "gateway_requests_in_flight", "Requests being handled now.", registry=r, multiprocess_mode="livesum"
+        )
+        build = Gauge(
+            "gateway_build_info", "The running gateway's version.", ["version"], registry=r, multiprocess_mode="max"
+        )
+        build.labels(version=__version__).set(1)
+
+    def exposition_registry(self) -> CollectorRegistry:
+        """What /metrics serves: this process's registry, or every worker's when there are several."""
+        if not self._multiprocess:
+            return self.registry
+        combined = CollectorRegistry()
+        MultiProcessCollector(combined)
+        return combined

@@ -1,0 +1,87 @@
+"""Who the client is, for rate limiting.
+
+Trust model: the connecting peer is the client, unless the peer is one of
+`trusted_proxies`. Only then is X-Forwarded-For believed: all its lines are
+merged and read right to left, skipping trusted addresses, and the first
+untrusted address is the client. Entries left of it were written by the
+client and are never believed, so a forged X-Forwarded-For from an untrusted
+peer changes nothing. Header, query and cookie values are whatever the client
+sent; they are only ever hashed (`gateway.limiter.keys`), never used as keys.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+from http.cookies import CookieError, SimpleCookie
+
+from aiohttp import web
+
+from gateway.config.model import IdentitySource, IPNetwork
+
+
+def _parse_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    text = text.strip()
+    if text.startswith("[") and "]" in text:  # "[2001:db8::1]:443"
+        text = text[1 : text.index("]")]
+    elif text.count(":") == 1:  # "192.0.2.1:443"
+        text = text.partition(":")[0]
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+        return address.ipv4_mapped
+    return address
+
+
+class ClientIdentity:
+    def __init__(self, trusted_proxies: Sequence[IPNetwork]) -> None:
+        self._trusted = tuple(trusted_proxies)
+
+    def _is_trusted(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address | None) -> bool:
+        return address is not None and any(address in network for network in self._trusted)
+
+    def client_ip(self, request: web.Request) -> str:
+        peer_text = request.remote or ""
+        peer = _parse_ip(peer_text)
+        if not self._is_trusted(peer):
+            return str(peer) if peer else peer_text
+        entries = [e.strip() for line in request.headers.getall("X-Forwarded-For", ()) for e in line.split(",")]
+        client = str(peer)
+        for entry in reversed([e for e in entries if e]):
+            address = _parse_ip(entry)
+            if address is None:
+                # A trusted proxy passed on something that is not an address; stop believing here.
+                break
+            client = str(address)
+            if not self._is_trusted(address):
+                break
+        return client
+
+    def identity(self, request: web.Request, sources: Sequence[IdentitySource], client_ip: str) -> str:
+        """The first source present, as "source=value"; the client's IP when none is."""
+        for source in sources:
+            value = client_ip if source.kind == "ip" else self._value(request, source)
+            if value:
+                return f"{source}={value}"
+        return f"ip={client_ip}"
+
+    def _value(self, request: web.Request, source: IdentitySource) -> str | None:
+        if source.kind == "header":
+            return request.headers.get(source.name)
+        if source.kind == "query":
+            return request.rel_url.query.get(source.name)
+        return _cookie(request, source.name)
+
+
+def _cookie(request: web.Request, name: str) -> str | None:
+    for header in request.headers.getall("Cookie", ()):
+        jar = SimpleCookie()
+        try:
+            jar.load(header)
+        except CookieError:
+            continue
+        if name in jar:
+            return jar[name].value
+    return None
