@@ -25,6 +25,7 @@ async def serve(config: GatewayConfig, *, access_log: str | None = None, workers
     await gateway.start()
     public = web.AppRunner(
         gateway.public_app,
+        shutdown_timeout=config.shutdown_grace,
         access_log=access_logger if access_log else None,
         access_log_class=ACCESS_LOG_FORMATS[access_log or "text"],
     )
@@ -33,7 +34,7 @@ async def serve(config: GatewayConfig, *, access_log: str | None = None, workers
     await admin.setup()
     reuse = workers > 1  # every worker binds the same ports; the kernel spreads connections
     sites = [
-        web.TCPSite(public, config.listen.host, config.listen.port, shutdown_timeout=config.shutdown_grace, reuse_port=reuse),
+        web.TCPSite(public, config.listen.host, config.listen.port, reuse_port=reuse),
         web.TCPSite(admin, config.admin_listen.host, config.admin_listen.port, reuse_port=reuse),
     ]
     try:

@@ -1,0 +1,181 @@
+"""Real processes for tests: redis-server and the gateway CLI, each a context
+manager that always stops what it started. Nothing here talks to the shared
+Redis on port 6379."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import redis
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+START_DEADLINE = 15.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate, *, deadline: float = START_DEADLINE, what: str) -> None:
+    """Poll `predicate` until it holds; fail the test with `what` if it never does."""
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class RedisServer:
+    """A private redis-server on a free port, with no persistence."""
+
+    def __init__(self, *extra_args: str) -> None:
+        self.port = free_port()
+        self._extra = extra_args
+        self._dir = tempfile.mkdtemp(prefix="gateway-test-redis-")
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=5, decode_responses=True)
+
+    def start(self) -> RedisServer:
+        self.process = subprocess.Popen(
+            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self._dir, "--daemonize", "no", *self._extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_until(self._answers, what=f"redis-server on port {self.port}")
+        return self
+
+    def _answers(self) -> bool:
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise AssertionError(f"redis-server on port {self.port} exited with {self.process.returncode}")
+        try:
+            return bool(redis.Redis(port=self.port, socket_timeout=0.2).ping())
+        except redis.RedisError:
+            return False
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def pause(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+_LISTENING_RE = re.compile(r"listening on http://(\S+):(\d+) \(admin http://(\S+):(\d+)\)")
+
+
+class GatewayProcess:
+    """`python -m gateway run -c FILE`, started as a user starts it. Listens on ports
+    chosen by the kernel (port 0) and learns them from the startup line."""
+
+    def __init__(self, config_text: str, *, args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+        handle = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="gateway-test-", delete=False)
+        with handle:
+            handle.write(config_text)
+        self.config_path = Path(handle.name)
+        self._args = args
+        self._env = {**os.environ, **(env or {})}
+        self.process: subprocess.Popen | None = None
+        self.stderr_lines: list[str] = []
+        self.stdout_lines: list[str] = []
+        self._listening = threading.Event()
+        self.url = self.admin_url = ""
+
+    def start(self) -> GatewayProcess:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "run", "-c", str(self.config_path), *self._args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self._env,
+        )
+        threading.Thread(target=self._read, args=(self.process.stderr, self.stderr_lines, True), daemon=True).start()
+        threading.Thread(target=self._read, args=(self.process.stdout, self.stdout_lines, False), daemon=True).start()
+        if not self._listening.wait(START_DEADLINE):
+            self.stop()
+            raise AssertionError("gateway did not start:\n" + "".join(self.stderr_lines))
+        return self
+
+    def _read(self, stream, lines: list[str], watch: bool) -> None:
+        for line in stream:
+            lines.append(line)
+            match = _LISTENING_RE.search(line) if watch else None
+            if match:
+                self.url = f"http://{match.group(1)}:{match.group(2)}"
+                self.admin_url = f"http://{match.group(3)}:{match.group(4)}"
+                self._listening.set()
+        if watch:
+            self._listening.set()
+
+    def signal(self, signum: int) -> None:
+        assert self.process is not None
+        self.process.send_signal(signum)
+
+    def wait(self, timeout: float = 30) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout=timeout)
+
+    def stop(self) -> int | None:
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def rss_bytes(self) -> int:
+        assert self.process is not None
+        with open(f"/proc/{self.process.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+    def __enter__(self) -> GatewayProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self.config_path.unlink(missing_ok=True)
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args], capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )

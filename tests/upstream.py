@@ -1,0 +1,133 @@
+"""The tests' upstream: a real aiohttp app with the routes a proxy must carry faithfully."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import json
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+GZIP_TEXT = b"hello, compressed world\n" * 100
+
+
+async def echo(request: web.Request) -> web.Response:
+    """The request as the upstream saw it: method, path, query, every header line, body size."""
+    body = await request.read()
+    return web.json_response(
+        {
+            "method": request.method,
+            "path": request.raw_path,
+            "headers": [[k, v] for k, v in request.headers.items()],
+            "body": body.decode("latin-1") if len(body) < 65536 else None,
+            "body_length": len(body),
+        }
+    )
+
+
+async def sink(request: web.Request) -> web.Response:
+    """Counts an uploaded body without keeping it."""
+    total = 0
+    async for chunk in request.content.iter_chunked(1 << 16):
+        total += len(chunk)
+    return web.json_response({"received": total})
+
+
+async def stream(request: web.Request) -> web.StreamResponse:
+    """`size` bytes in 64 KiB chunks, chunked unless `length=1`."""
+    size = int(request.query.get("size", "1048576"))
+    response = web.StreamResponse()
+    if request.query.get("length") == "1":
+        response.content_length = size
+    response.content_type = "application/octet-stream"
+    await response.prepare(request)
+    if request.method == "HEAD":
+        return response
+    block = b"x" * 65536
+    sent = 0
+    while sent < size:
+        piece = block[: min(len(block), size - sent)]
+        await response.write(piece)
+        sent += len(piece)
+    await response.write_eof()
+    return response
+
+
+async def slow(request: web.Request) -> web.Response:
+    await asyncio.sleep(float(request.query.get("seconds", "5")))
+    return web.Response(text="slow")
+
+
+async def gzipped(_: web.Request) -> web.Response:
+    return web.Response(
+        body=gzip.compress(GZIP_TEXT), headers={"Content-Encoding": "gzip", "Content-Type": "text/plain"}
+    )
+
+
+async def set_cookie(_: web.Request) -> web.Response:
+    response = web.Response(text="cookies")
+    response.headers.add("Set-Cookie", "a=1; Path=/")
+    response.headers.add("Set-Cookie", "b=2; Path=/; HttpOnly")
+    response.headers.add("X-Multi", "one")
+    response.headers.add("X-Multi", "two")
+    return response
+
+
+async def redirect(_: web.Request) -> web.Response:
+    return web.Response(status=302, headers={"Location": "/echo"})
+
+
+async def hop_by_hop(_: web.Request) -> web.Response:
+    return web.Response(
+        text="hop",
+        headers={"Connection": "X-Secret-Hop", "X-Secret-Hop": "1", "Keep-Alive": "timeout=5", "X-Kept": "yes"},
+    )
+
+
+async def status(request: web.Request) -> web.Response:
+    return web.Response(status=int(request.match_info["code"]))
+
+
+async def websocket(request: web.Request) -> web.WebSocketResponse:
+    ws = web.WebSocketResponse(protocols=("chat",))
+    await ws.prepare(request)
+    async for message in ws:
+        if message.type == web.WSMsgType.TEXT:
+            await ws.send_str("echo:" + message.data)
+        elif message.type == web.WSMsgType.BINARY:
+            await ws.send_bytes(message.data[::-1])
+    return ws
+
+
+def upstream_app() -> web.Application:
+    app = web.Application(client_max_size=1 << 20)
+    app.router.add_route("*", "/echo{tail:.*}", echo)
+    app.router.add_post("/sink", sink)
+    app.router.add_get("/stream", stream)
+    app.router.add_get("/slow", slow)
+    app.router.add_get("/gzip", gzipped)
+    app.router.add_get("/set-cookie", set_cookie)
+    app.router.add_get("/redirect", redirect)
+    app.router.add_get("/hop", hop_by_hop)
+    app.router.add_get("/status/{code}", status)
+    app.router.add_get("/ws", websocket)
+    app.router.add_route("*", "/{tail:.*}", echo)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def running_upstream() -> AsyncIterator[str]:
+    runner = web.AppRunner(upstream_app(), access_log=None, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+def decode(body: bytes) -> dict:
+    return json.loads(body)
