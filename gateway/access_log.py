@@ -1,10 +1,16 @@
-"""The access log: off by default; one line per request, as text or JSON, when asked for."""
+"""The access log: off by default; one line per request, as text or JSON, when asked for.
+
+The lines go to stdout and nothing else does, so `--access-log json` output is
+one JSON object per line; the gateway's own log stays on stderr.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
+from typing import TextIO
 
 from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web import BaseRequest, StreamResponse
@@ -27,8 +33,8 @@ class TextAccessLogger(AbstractAccessLogger):
     def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
         f = _fields(request, response, time)
         self.logger.info(
-            '%s "%s %s" %s %s %.3fms "%s"',
-            f["remote"], f["method"], f["path"], f["status"], f["bytes"], f["duration_ms"], f["user_agent"],
+            '%s %s "%s %s" %s %s %.3fms "%s"',
+            f["time"], f["remote"], f["method"], f["path"], f["status"], f["bytes"], f["duration_ms"], f["user_agent"],
         )
 
 
@@ -39,3 +45,12 @@ class JsonAccessLogger(AbstractAccessLogger):
 
 ACCESS_LOG_FORMATS = {"text": TextAccessLogger, "json": JsonAccessLogger}
 access_logger = logging.getLogger("gateway.access")
+
+
+def enable_access_log(stream: TextIO | None = None) -> None:
+    """Write access lines, bare and unprefixed, to `stream` (stdout by default), whatever the log level."""
+    handler = logging.StreamHandler(stream or sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access_logger.handlers[:] = [handler]
+    access_logger.setLevel(logging.INFO)
+    access_logger.propagate = False

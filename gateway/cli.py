@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 import tempfile
+from typing import NoReturn
 
 from gateway import __version__
 from gateway.config import ConfigError, GatewayConfig, load_config
@@ -18,8 +20,15 @@ from gateway.config import ConfigError, GatewayConfig, load_config
 EXIT_USAGE = 2
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line like every other error, not usage text and a line."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gateway", description="A rate-limiting HTTP API gateway.")
+    parser = _ArgumentParser(prog="gateway", description="A rate-limiting HTTP API gateway.")
     parser.add_argument("--version", action="version", version=f"gateway {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     run_parser = commands.add_parser("run", help="serve with the given config")
@@ -38,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config)
     except ConfigError as exc:
-        print(f"gateway: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(str(exc))
     if args.command == "check":
         print(describe(config))
         return 0
@@ -48,16 +56,34 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    if args.command == "demo":
-        from gateway.demo import run_demo
+    if config.workers == 1:
+        return _start(config, args)
+    # Workers share their metrics through files in this directory. It must be set before
+    # prometheus_client is imported, and fresh: files left by an earlier run would be counted too.
+    metrics_dir = tempfile.mkdtemp(prefix="gateway-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    try:
+        return _start(config, args)
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
 
-        return run_demo(config, args.upstream)
-    if config.workers > 1:
-        # Must be set before prometheus_client is imported, so all workers share their metrics.
-        os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="gateway-metrics-"))
-    from gateway.server import run
 
-    return run(config, access_log=args.access_log)
+def _start(config: GatewayConfig, args: argparse.Namespace) -> int:
+    from gateway.server import StartupError, run
+
+    try:
+        if args.command == "demo":
+            from gateway.demo import run_demo
+
+            return run_demo(config, args.upstream)
+        return run(config, access_log=args.access_log)
+    except StartupError as exc:
+        return _fail(str(exc))
+
+
+def _fail(message: str) -> int:
+    print(f"gateway: {message}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def describe(config: GatewayConfig) -> str:

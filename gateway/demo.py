@@ -3,13 +3,11 @@ so a newcomer sees 200s turn into 429s without any other server."""
 
 from __future__ import annotations
 
-import asyncio
-
 from aiohttp import web
 
 from gateway.config.model import GatewayConfig
-from gateway.config.units import parse_address
-from gateway.server import serve
+from gateway.config.units import Address, parse_address
+from gateway.server import StartupError, run_event_loop, serve
 
 
 def demo_upstream() -> web.Application:
@@ -25,12 +23,14 @@ def demo_upstream() -> web.Application:
     return app
 
 
-async def _demo(config: GatewayConfig, upstream_address: str) -> None:
-    address = parse_address(upstream_address)
+async def _demo(config: GatewayConfig, address: Address) -> None:
     runner = web.AppRunner(demo_upstream(), access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, address.host, address.port).start()
     try:
+        try:
+            await web.TCPSite(runner, address.host, address.port).start()
+        except OSError as exc:
+            raise StartupError(f"cannot start the demo upstream on {address}: {exc.strerror or exc}") from None
         await serve(config)
     finally:
         await runner.cleanup()
@@ -38,7 +38,11 @@ async def _demo(config: GatewayConfig, upstream_address: str) -> None:
 
 def run_demo(config: GatewayConfig, upstream_address: str) -> int:
     try:
-        asyncio.run(_demo(config, upstream_address))
-    except OSError as exc:
-        raise SystemExit(f"gateway: cannot start the demo upstream on {upstream_address}: {exc.strerror or exc}")
+        address = parse_address(upstream_address)
+    except ValueError as exc:
+        raise StartupError(f"--upstream: {exc}") from None
+    try:
+        run_event_loop(_demo(config, address))
+    except KeyboardInterrupt:
+        pass  # SIGINT while starting, before serve() handles it
     return 0

@@ -7,16 +7,27 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 from aiohttp import web
 
 from gateway import __version__
-from gateway.access_log import ACCESS_LOG_FORMATS, access_logger
+from gateway.access_log import ACCESS_LOG_FORMATS, access_logger, enable_access_log
 from gateway.app import Gateway
 from gateway.config.model import GatewayConfig
+from gateway.config.units import Address
 
 log = logging.getLogger("gateway")
+
+# A worker that could not start exits with this, as `gateway run` itself would.
+EXIT_STARTUP = 2
+
+
+class StartupError(Exception):
+    """The gateway could not start (an address that cannot be bound); str() is the one line shown."""
 
 
 async def serve(config: GatewayConfig, *, access_log: str | None = None, workers: int = 1) -> None:
@@ -29,38 +40,37 @@ async def serve(config: GatewayConfig, *, access_log: str | None = None, workers
         access_log=access_logger if access_log else None,
         access_log_class=ACCESS_LOG_FORMATS[access_log or "text"],
     )
-    admin = web.AppRunner(gateway.admin_app, access_log=None)
+    admin = web.AppRunner(gateway.admin_app, access_log=None, shutdown_timeout=config.shutdown_grace)
     await public.setup()
     await admin.setup()
     reuse = workers > 1  # every worker binds the same ports; the kernel spreads connections
-    sites = [
-        web.TCPSite(public, config.listen.host, config.listen.port, reuse_port=reuse),
-        web.TCPSite(admin, config.admin_listen.host, config.admin_listen.port, reuse_port=reuse),
-    ]
     try:
-        for site in sites:
-            await site.start()
-    except OSError as exc:
+        for runner, address in ((public, config.listen), (admin, config.admin_listen)):
+            try:
+                await web.TCPSite(runner, address.host, address.port, reuse_port=reuse).start()
+            except OSError as exc:
+                raise StartupError(f"cannot listen on {address}: {exc.strerror or exc}") from None
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        log.info(
+            "gateway %s (pid %d) listening on http://%s (admin http://%s), store: %s, event loop: %s",
+            __version__,
+            os.getpid(),
+            _bound(public),
+            _bound(admin),
+            gateway.store.description,
+            _loop_name(loop),
+        )
+        await stop.wait()
+        log.info("draining in-flight requests (up to %gs)", config.shutdown_grace)
+    finally:
+        # The public listener first: it stops accepting, then waits up to the grace for
+        # requests in flight; /metrics and /healthz stay up meanwhile.
         await public.cleanup()
         await admin.cleanup()
         await gateway.close()
-        raise SystemExit(f"gateway: cannot listen: {exc.strerror or exc}") from None
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    log.info(
-        "gateway %s listening on http://%s (admin http://%s), store: %s",
-        __version__,
-        _bound(public),
-        _bound(admin),
-        gateway.store.description,
-    )
-    await stop.wait()
-    log.info("draining in-flight requests (up to %gs)", config.shutdown_grace)
-    await public.cleanup()
-    await admin.cleanup()
-    await gateway.close()
     log.info("stopped")
 
 
@@ -69,7 +79,24 @@ def _bound(runner: web.AppRunner) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _loop_name(loop: asyncio.AbstractEventLoop) -> str:
+    """'uvloop' or 'asyncio': which event loop serves, shown in the startup line."""
+    return type(loop).__module__.partition(".")[0]
+
+
+def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Run `main` on uvloop, or on asyncio's own loop where uvloop is not built."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
+
+
 def run(config: GatewayConfig, *, access_log: str | None = None) -> int:
+    if access_log:
+        enable_access_log()
     if config.workers == 1:
         _run_loop(config, access_log, 1)
         return 0
@@ -81,41 +108,70 @@ def _run_loop(config: GatewayConfig, access_log: str | None, workers: int) -> No
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        import uvloop
-    except ImportError:  # not built for this platform; asyncio's own loop works too
-        asyncio.run(serve(config, access_log=access_log, workers=workers))
-    else:
-        uvloop.run(serve(config, access_log=access_log, workers=workers))
+        run_event_loop(serve(config, access_log=access_log, workers=workers))
+    except KeyboardInterrupt:
+        pass  # SIGINT while starting, before serve() handles it: a stop like any other
+
+
+def _worker(config: GatewayConfig, access_log: str | None) -> None:
+    try:
+        _run_loop(config, access_log, config.workers)
+    except StartupError as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        sys.exit(EXIT_STARTUP)
+
+
+def check_bindable(address: Address) -> None:
+    """Bind `address` once without SO_REUSEPORT, so a port held by another process (even one
+    that set SO_REUSEPORT itself) is reported before any worker starts, not shared silently."""
+    try:
+        infos = socket.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise StartupError(f"cannot listen on {address}: {exc.strerror}") from None
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's create_server does
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(sockaddr)
+            except OSError as exc:
+                raise StartupError(f"cannot listen on {address}: {exc.strerror or exc}") from None
 
 
 def _supervise(config: GatewayConfig, access_log: str | None) -> int:
     """Start `workers` processes on shared ports; pass SIGTERM/SIGINT on; exit when they have."""
+    check_bindable(config.listen)
+    check_bindable(config.admin_listen)
     context = multiprocessing.get_context("fork")
     processes = [
-        context.Process(target=_run_loop, args=(config, access_log, config.workers), name=f"gateway-worker-{i}")
+        context.Process(target=_worker, args=(config, access_log), name=f"gateway-worker-{i}")
         for i in range(config.workers)
     ]
-    stopping = False
+    received: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
+        received.append(signum)
         for process in processes:
-            if process.is_alive() and process.pid is not None:
+            if process.pid is not None and process.exitcode is None:
                 os.kill(process.pid, signum)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     for process in processes:
         process.start()
+    if received:  # a signal that came while some workers were not started yet
+        forward(received[-1], None)
     status = 0
     while any(p.is_alive() for p in processes):
         for process in processes:
             process.join(timeout=0.2)
-            if process.exitcode not in (None, 0) and not stopping:
-                print(f"gateway: worker {process.name} exited with {process.exitcode}; stopping", file=sys.stderr)
-                stopping = True
-                status = 1
+            if process.exitcode not in (None, 0) and not received and status == 0:
+                if process.exitcode == EXIT_STARTUP:
+                    status = EXIT_STARTUP  # the worker has printed why
+                else:
+                    status = 1
+                    print(f"gateway: worker {process.name} exited with {process.exitcode}; stopping", file=sys.stderr)
                 for other in processes:
                     if other.is_alive():
                         other.terminate()

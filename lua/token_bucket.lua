@@ -41,7 +41,8 @@ for i = 1, count do
     if cost > capacity then
       retry_ms = -1
     elseif retry_ms >= 0 then
-      retry_ms = math.max(retry_ms, math.ceil((cost - held) / rate * 1000))
+      -- A stamp ahead of now refills nothing until now reaches it.
+      retry_ms = math.max(retry_ms, math.ceil((stamps[i] - now) + (cost - held) / rate * 1000))
     end
   end
 end

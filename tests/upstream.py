@@ -82,7 +82,16 @@ async def redirect(_: web.Request) -> web.Response:
 async def hop_by_hop(_: web.Request) -> web.Response:
     return web.Response(
         text="hop",
-        headers={"Connection": "X-Secret-Hop", "X-Secret-Hop": "1", "Keep-Alive": "timeout=5", "X-Kept": "yes"},
+        headers={
+            "Connection": "X-Secret-Hop",
+            "X-Secret-Hop": "1",
+            "Keep-Alive": "timeout=5",
+            "Proxy-Connection": "keep-alive",
+            "TE": "trailers",
+            "Trailer": "X-Checksum",
+            "Upgrade": "h2c",
+            "X-Kept": "yes",
+        },
     )
 
 

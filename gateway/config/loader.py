@@ -53,6 +53,30 @@ class ConfigError(Exception):
     """An invalid config file; str() is the one line shown to the user."""
 
 
+class _SafeLoaderRejectingDuplicates(yaml.SafeLoader):
+    """yaml.safe_load's loader, except that a key given twice in one mapping is an
+    error: plain YAML keeps the last one silently, so a second `per_client` under
+    `limits` would replace the first without a word."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *anchor` may be overridden by the keys beside it
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    duplicate = key in seen
+                    seen.add(key)
+                except TypeError:
+                    continue  # unhashable: the base class reports it
+                if duplicate:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark
+                    )
+        return super().construct_mapping(node, deep=deep)
+
+
 class _Reader:
     """Walks the parsed document, remembering the YAML path for error messages."""
 
@@ -121,14 +145,21 @@ def load_config(path: str) -> GatewayConfig:
 def parse_config(text: str, *, source: str, environ: Mapping[str, str]) -> GatewayConfig:
     reader = _Reader(source)
     try:
-        document = yaml.safe_load(text)
+        # safe_load, plus rejecting duplicate keys: plain data only, never Python objects.
+        document = yaml.load(text, Loader=_SafeLoaderRejectingDuplicates)  # noqa: S506
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{source}: malformed YAML: {where}{problem}") from None
-    document = _interpolate(document, "", environ, reader)
-    return _build(document, reader)
+    except RecursionError:
+        raise ConfigError(f"{source}: malformed YAML: nested too deeply") from None
+    try:
+        document = _interpolate(document, "", environ, reader)
+        return _build(document, reader)
+    except RecursionError:
+        # Only reachable through aliases that nest a document into itself many times over.
+        raise ConfigError(f"{source}: nested too deeply") from None
 
 
 def _interpolate(value: Any, path: str, environ: Mapping[str, str], reader: _Reader) -> Any:
@@ -181,6 +212,9 @@ def _build(document: Any, r: _Reader) -> GatewayConfig:
             f"workers: {workers} needs a shared store; with the in-process store each worker "
             f"would count separately and clients would get {workers} times the limit",
         )
+    for key, address in (("listen", listen), ("admin_listen", admin_listen)):
+        if workers > 1 and address.port == 0:
+            r.fail(key, f"port 0 needs workers: 1; with workers: {workers} each worker would get a different port")
     trusted = tuple(
         r.parsed(lambda v: ipaddress.ip_network(str(v), strict=False), item, f"trusted_proxies[{i}]")
         for i, item in enumerate(r.sequence(top.get("trusted_proxies", []), "trusted_proxies"))
@@ -345,6 +379,8 @@ def _match(doc: Any, path: str, r: _Reader) -> Match:
 def _route_limit(item: Any, path: str, limits: Mapping[str, Limit], r: _Reader) -> RouteLimit:
     if isinstance(item, str):
         name, cost, name_path = item, 1, path
+    elif not isinstance(item, dict):
+        r.fail(path, f"expected a limit name or {{name: NAME, cost: N}}, got {_type_name(item)}")
     else:
         spec = r.mapping(item, path, required=("name",), optional=("cost",))
         name, name_path = r.string(spec["name"], f"{path}.name"), f"{path}.name"

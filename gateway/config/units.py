@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _PERIOD_WORDS = {"second": 1.0, "minute": 60.0, "hour": 3600.0, "day": 86400.0}
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
-_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(\S+)\s*$")
+# ASCII only: \d would otherwise accept digits such as '٣' or '²'.
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$", re.ASCII)
+_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(\S+)\s*$", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def parse_address(value: object) -> Address:
     if not isinstance(value, str):
         raise ValueError(f"{expected}, got {value!r}")
     host, sep, port_text = value.rpartition(":")
-    if not sep or not host or not port_text.isdigit():
+    if not sep or not host or not (port_text.isascii() and port_text.isdigit()):
         raise ValueError(f"{expected}, got {value!r}")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]

@@ -49,19 +49,24 @@ def refill(state: BucketState | None, spec: BucketSpec, now: float) -> BucketSta
 def check(states: Sequence[BucketState | None], specs: Sequence[BucketSpec], now: float) -> Outcome:
     """Check every bucket, then charge all of them only if all allow."""
     current = [refill(state, spec, now) for state, spec in zip(states, specs, strict=True)]
-    wait = 0.0
-    for state, spec in zip(current, specs):
-        if state.tokens < spec.cost:
-            wait = max(wait, math.inf if spec.cost > spec.capacity else (spec.cost - state.tokens) / spec.rate)
-    if wait > 0:
+    short = [(state, spec) for state, spec in zip(current, specs) if state.tokens < spec.cost]
+    if short:
         return Outcome(
             allowed=False,
             remaining=tuple(s.tokens for s in current),
-            retry_after=wait,
+            retry_after=max(seconds_until_affordable(state, spec, now) for state, spec in short),
             states=tuple(current),
         )
     charged = tuple(BucketState(tokens=s.tokens - spec.cost, stamp=s.stamp) for s, spec in zip(current, specs))
     return Outcome(allowed=True, remaining=tuple(s.tokens for s in charged), retry_after=0.0, states=charged)
+
+
+def seconds_until_affordable(state: BucketState, spec: BucketSpec, now: float) -> float:
+    """When a bucket left alone could pay its cost; inf if the cost exceeds its capacity."""
+    if spec.cost > spec.capacity:
+        return math.inf
+    # A stamp ahead of `now` (a clock that stepped back) refills nothing until `now` reaches it.
+    return max(0.0, state.stamp - now) + max(0.0, spec.cost - state.tokens) / spec.rate
 
 
 def seconds_until_full(state: BucketState, spec: BucketSpec, now: float) -> float:

@@ -61,7 +61,9 @@ class MemoryStore:
         return StoreDecision(allowed=outcome.allowed, remaining=outcome.remaining, retry_after=outcome.retry_after)
 
     def __len__(self) -> int:
-        """How many buckets are held: the memory the store uses."""
+        """How many buckets are held: the memory the store uses. Full ones are dropped first,
+        so an idle store reports (and holds) nothing."""
+        self._forget_full(self._clock())
         return len(self._buckets)
 
     def _forget_full(self, now: float) -> None:

@@ -60,9 +60,12 @@ class RedisStore:
         pool = redis.BlockingConnectionPool.from_url(
             config.url,
             max_connections=config.max_connections,
-            # The whole check is bounded by asyncio.timeout(store.timeout); these are backstops.
+            # The whole check, pool wait included, is bounded by asyncio.timeout(store.timeout).
             timeout=None,
-            socket_timeout=max(config.timeout * 10, 1.0),
+            # No socket_timeout: redis-py then sends through asyncio.wait_for, which on
+            # Python 3.11 swallows a cancellation that lands as the send completes, so
+            # a check outlived store.timeout and waited out the socket timeout instead.
+            socket_timeout=None,
             socket_connect_timeout=max(config.timeout * 10, 1.0),
             # redis-py retries 3 times with backoff by default: a SIGSTOPped Redis
             # then held each request for ~5 s. One attempt, bounded by our timeout.

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Sequence
-from http.cookies import CookieError, SimpleCookie
 
 from aiohttp import web
 
@@ -76,12 +75,15 @@ class ClientIdentity:
 
 
 def _cookie(request: web.Request, name: str) -> str | None:
+    """The first cookie called `name`, read as browsers send them (RFC 6265 §5.4): `name=value`
+    pairs split on ";". http.cookies gives up on the whole header at the first value it
+    dislikes (JSON, a space), which would silently key such clients by IP instead."""
     for header in request.headers.getall("Cookie", ()):
-        jar = SimpleCookie()
-        try:
-            jar.load(header)
-        except CookieError:
-            continue
-        if name in jar:
-            return jar[name].value
+        for pair in header.split(";"):
+            key, sep, value = pair.partition("=")
+            if sep and key.strip() == name:
+                value = value.strip()
+                if len(value) >= 2 and value[0] == value[-1] == '"':
+                    value = value[1:-1]
+                return value
     return None

@@ -89,7 +89,11 @@ class ProxyHandler:
             return self._rejection(decision, limit_headers)
         if is_websocket_upgrade(request):
             return await proxy_websocket(
-                request, self._sessions[route.upstream], self._upstream_url(request, route), self._forward_headers(request, route)
+                request,
+                self._sessions[route.upstream],
+                self._upstream_url(request, route),
+                self._forward_headers(request, route),
+                limit_headers,
             )
         return await self._forward(request, route, limit_headers)
 
@@ -131,9 +135,7 @@ class ProxyHandler:
     def _upstream_url(self, request: web.Request, route: Route) -> URL:
         raw_path = request.rel_url.raw_path
         if route.strip_prefix and route.match.path != "/":
-            path = normalize_path(request.path)
-            rest = path[len(route.match.path) :]
-            raw_path = URL.build(path=rest if rest.startswith("/") else "/" + rest).raw_path
+            raw_path = _strip_prefix(raw_path, request.path, route.match.path)
         query = request.rel_url.raw_query_string
         return URL(route.upstream + raw_path + (f"?{query}" if query else ""), encoded=True)
 
@@ -177,16 +179,35 @@ class ProxyHandler:
                     return response
                 await response.write_eof()
                 return response
+        # Every response on a limited route carries the RateLimit fields, errors included.
         except asyncio.TimeoutError:
-            return problem(504, "Gateway Timeout", f"The upstream did not answer within {route.timeout.read:g} s.")
+            return problem(
+                504, "Gateway Timeout", f"The upstream did not answer within {route.timeout.read:g} s.", headers=limit_headers
+            )
         except aiohttp.ClientConnectorError as exc:
-            return problem(502, "Bad Gateway", f"Cannot connect to the upstream: {exc.os_error.strerror or exc}.")
+            return problem(
+                502, "Bad Gateway", f"Cannot connect to the upstream: {exc.os_error.strerror or exc}.", headers=limit_headers
+            )
         except aiohttp.ClientError as exc:
-            return problem(502, "Bad Gateway", f"The upstream failed: {type(exc).__name__}.")
+            return problem(502, "Bad Gateway", f"The upstream failed: {type(exc).__name__}.", headers=limit_headers)
+
+
+def _strip_prefix(raw_path: str, path: str, prefix: str) -> str:
+    """The raw path after the route's `prefix`. When the decoded `path` is already normal,
+    the rest keeps the client's own encoding, so an encoded slash (`group%2Fproject`)
+    stays inside its segment; otherwise the rest is rebuilt from the normalised path."""
+    raw_prefix = URL.build(path=prefix).raw_path
+    if normalize_path(path) == path and (raw_path == raw_prefix or raw_path.startswith(raw_prefix + "/")):
+        return raw_path[len(raw_prefix) :] or "/"
+    rest = normalize_path(path)[len(prefix) :]
+    return URL.build(path=rest if rest.startswith("/") else "/" + rest).raw_path
 
 
 def _request_host(request: web.Request) -> str:
+    """The Host header as routes match it: lower case, without its port, and without the
+    trailing dot of a fully qualified name, which names the same host (`api.example.com.`)."""
     host = request.headers.get("Host", "").lower()
     if host.startswith("["):
         return host.partition("]")[0] + "]"
-    return host.rpartition(":")[0] if ":" in host else host
+    host = host.rpartition(":")[0] if ":" in host else host
+    return host[:-1] if host.endswith(".") else host

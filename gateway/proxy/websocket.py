@@ -4,6 +4,7 @@ applied to the handshake; frames that follow are not counted."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 
 import aiohttp
 from aiohttp import web
@@ -22,8 +23,13 @@ def is_websocket_upgrade(request: web.Request) -> bool:
 
 
 async def proxy_websocket(
-    request: web.Request, session: aiohttp.ClientSession, url: URL, headers: CIMultiDict[str]
+    request: web.Request,
+    session: aiohttp.ClientSession,
+    url: URL,
+    headers: CIMultiDict[str],
+    limit_headers: Mapping[str, str],
 ) -> web.StreamResponse:
+    """Open the upstream WebSocket first, so its refusal becomes a 502 and its subprotocol is the one agreed."""
     protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
     for name in _HANDSHAKE_HEADERS:
         headers.popall(name, None)
@@ -31,11 +37,19 @@ async def proxy_websocket(
     try:
         upstream = await session.ws_connect(ws_url, headers=headers, protocols=protocols, autoping=False)
     except aiohttp.WSServerHandshakeError as exc:
-        return problem(502, "Bad Gateway", f"The upstream refused the WebSocket handshake with status {exc.status}.")
+        return problem(
+            502,
+            "Bad Gateway",
+            f"The upstream refused the WebSocket handshake with status {exc.status}.",
+            headers=limit_headers,
+        )
     except aiohttp.ClientError as exc:
-        return problem(502, "Bad Gateway", f"Cannot open a WebSocket to the upstream: {type(exc).__name__}.")
+        return problem(
+            502, "Bad Gateway", f"Cannot open a WebSocket to the upstream: {type(exc).__name__}.", headers=limit_headers
+        )
     async with upstream:
         client = web.WebSocketResponse(protocols=[upstream.protocol] if upstream.protocol else (), autoping=False)
+        client.headers.update(limit_headers)
         await client.prepare(request)
         to_upstream = asyncio.ensure_future(_pipe(client, upstream))
         to_client = asyncio.ensure_future(_pipe(upstream, client))

@@ -1,0 +1,1 @@
+"""The HTTP side: routing, client identity, forwarding, and the responses clients see."""

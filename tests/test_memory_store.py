@@ -1,0 +1,249 @@
+"""The in-process store (gateway/limiter/memory_store.py) on a clock the test turns by hand.
+
+The store takes its clock as an argument; `ManualClock` is a real clock that
+only moves when told to, so refill and forgetting are checked to the exact
+token without waiting.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import pytest
+
+from gateway.config.model import FailurePolicy, IdentitySource, Limit
+from gateway.config.units import parse_rate
+from gateway.limiter import bucket
+from gateway.limiter.memory_store import MemoryStore
+from gateway.limiter.store import LimitCheck
+
+
+class ManualClock:
+    """A monotonic clock in seconds that moves only when the test advances it."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        assert seconds >= 0, "a monotonic clock never runs backwards"
+        self.now += seconds
+
+
+def limit(name: str, rate: str, burst: float) -> Limit:
+    return Limit(
+        name=name,
+        rate=parse_rate(rate),
+        burst=burst,
+        key=(IdentitySource(kind="ip"),),
+        on_store_error=FailurePolicy.OPEN,
+    )
+
+
+def one(lim: Limit, identity: str = "ip=192.0.2.1", cost: int = 1) -> LimitCheck:
+    return LimitCheck(limit=lim, identity=identity, cost=cost)
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def store(clock: ManualClock) -> MemoryStore:
+    return MemoryStore(clock=clock)
+
+
+def test_a_new_bucket_starts_full_and_each_request_takes_its_cost(store):
+    per_ip = limit("per-ip", "10/second", 5)
+    remaining = [store.check_now([one(per_ip, cost=2)]).remaining[0] for _ in range(2)]
+    assert remaining == [3.0, 1.0]
+    denied = store.check_now([one(per_ip, cost=2)])
+    assert not denied.allowed
+    assert denied.remaining == (1.0,)
+    assert denied.retry_after == pytest.approx(0.1)
+
+
+def test_refill_follows_the_injected_clock_to_the_token(store, clock):
+    per_ip = limit("per-ip", "2/second", 10)
+    assert store.check_now([one(per_ip, cost=10)]).remaining == (0.0,)
+    clock.advance(1.25)
+    assert store.check_now([one(per_ip, cost=0)]).remaining == pytest.approx((2.5,))
+    clock.advance(0.25)
+    assert store.check_now([one(per_ip, cost=3)]).remaining == pytest.approx((0.0,))
+    # Never beyond capacity, however long the client stays away (as long as the bucket is still held).
+    clock.advance(3.0)
+    assert store.check_now([one(per_ip, cost=1)]).remaining == pytest.approx((5.0,))
+    clock.advance(3600.0)
+    assert store.check_now([one(per_ip, cost=1)]).remaining == pytest.approx((9.0,))
+
+
+def test_a_denied_client_waits_exactly_retry_after(store, clock):
+    per_key = limit("per-key", "1/minute", 3)
+    for _ in range(3):
+        assert store.check_now([one(per_key)]).allowed
+    denied = store.check_now([one(per_key)])
+    assert not denied.allowed
+    assert denied.retry_after == pytest.approx(60.0)
+    clock.advance(59.9)
+    assert not store.check_now([one(per_key)]).allowed
+    clock.advance(0.1)
+    assert store.check_now([one(per_key)]).allowed
+
+
+def test_a_denied_request_charges_nothing(store, clock):
+    per_ip = limit("per-ip", "1/second", 4)
+    store.check_now([one(per_ip, cost=3)])
+    for _ in range(5):
+        assert not store.check_now([one(per_ip, cost=2)]).allowed
+    # Had any denied request been charged, this would not fit.
+    assert store.check_now([one(per_ip, cost=1)]).remaining == (0.0,)
+
+
+def test_cost_zero_is_allowed_on_an_empty_bucket_and_creates_nothing(store):
+    per_ip = limit("per-ip", "1/hour", 1)
+    fresh = store.check_now([one(per_ip, identity="ip=198.51.100.9", cost=0)])
+    assert (fresh.allowed, fresh.remaining, fresh.retry_after) == (True, (1.0,), 0.0)
+    assert len(store) == 0
+    store.check_now([one(per_ip)])
+    drained = store.check_now([one(per_ip, cost=0)])
+    assert (drained.allowed, drained.remaining, drained.retry_after) == (True, (0.0,), 0.0)
+
+
+def test_cost_above_capacity_is_denied_for_ever_and_charges_nothing(store):
+    small = limit("small", "100/second", 5)
+    denied = store.check_now([one(small, cost=6)])
+    assert (denied.allowed, denied.remaining, denied.retry_after) == (False, (5.0,), math.inf)
+    assert len(store) == 0
+    assert store.check_now([one(small, cost=5)]).remaining == (0.0,)
+
+
+def test_several_limits_are_all_or_nothing_across_identities(store, clock):
+    per_ip = limit("per-ip", "1/hour", 10)
+    per_key = limit("per-key", "1/hour", 2)
+    request = [one(per_ip, "ip=203.0.113.5"), one(per_key, "header:x-api-key=alpha")]
+    assert store.check_now(request).remaining == (9.0, 1.0)
+    assert store.check_now(request).remaining == (8.0, 0.0)
+    for _ in range(3):
+        denied = store.check_now(request)
+        assert not denied.allowed
+        assert denied.remaining == (8.0, 0.0)
+        assert denied.retry_after == pytest.approx(3600.0)
+    # The address still holds the 8 tokens the denied requests did not take...
+    assert store.check_now([one(per_ip, "ip=203.0.113.5")]).remaining == (7.0,)
+    # ...and another key from the same address has its own per-key bucket.
+    other = store.check_now([one(per_ip, "ip=203.0.113.5"), one(per_key, "header:x-api-key=beta")])
+    assert other.remaining == (6.0, 1.0)
+
+
+def test_the_same_identity_has_a_separate_bucket_per_limit(store):
+    a = limit("a", "1/hour", 1)
+    b = limit("b", "1/hour", 1)
+    assert store.check_now([one(a, "ip=192.0.2.7")]).allowed
+    assert store.check_now([one(b, "ip=192.0.2.7")]).allowed
+    assert not store.check_now([one(a, "ip=192.0.2.7")]).allowed
+    assert store.check_now([one(a, "ip=192.0.2.8")]).allowed
+
+
+def test_a_bucket_that_refilled_completely_is_dropped_and_a_partly_drained_one_is_kept(store, clock):
+    per_ip = limit("per-ip", "10/second", 10)  # an empty bucket is full again after 1 s
+    store.check_now([one(per_ip, "ip=192.0.2.1", cost=10)])
+    clock.advance(0.5)
+    store.check_now([one(per_ip, "ip=192.0.2.2", cost=4)])  # full again 0.4 s from now
+    assert len(store) == 2
+
+    clock.advance(0.399)
+    assert len(store) == 2, "a bucket was dropped before it was full again"
+    clock.advance(0.001)
+    assert len(store) == 1
+    # The partly drained bucket kept its count: 0.9 s at 10/s since it was emptied.
+    assert store.check_now([one(per_ip, "ip=192.0.2.1", cost=0)]).remaining == pytest.approx((9.0,))
+    clock.advance(0.1)
+    assert len(store) == 0
+    assert store.check_now([one(per_ip, "ip=192.0.2.1", cost=0)]).remaining == (10.0,)
+
+
+def test_a_bucket_charged_again_is_kept_until_its_new_full_time(store, clock):
+    per_ip = limit("per-ip", "10/second", 10)
+    store.check_now([one(per_ip, cost=1)])  # full again at +0.1 s
+    clock.advance(0.05)
+    store.check_now([one(per_ip, cost=5)])  # 4.5 left: full again at +0.55 s from now
+    clock.advance(0.1)
+    assert len(store) == 1
+    assert store.check_now([one(per_ip, cost=0)]).remaining == pytest.approx((5.5,))
+    clock.advance(0.45)
+    assert len(store) == 0
+
+
+def test_memory_goes_back_to_zero_once_every_client_is_full_again(store, clock):
+    per_ip = limit("per-ip", "5/second", 5)
+    per_key = limit("per-key", "1/second", 3)
+    for n in range(500):
+        store.check_now([one(per_ip, f"ip=10.0.{n // 256}.{n % 256}", cost=1 + n % 5), one(per_key, f"header:k=c{n}")])
+    assert len(store) == 1000
+    # Half a second on: per-ip buckets that paid 1 or 2 (full after 0.2 s and 0.4 s) are gone;
+    # those that paid 3 to 5, and every per-key bucket (full after 1 s), are still held.
+    clock.advance(0.5)
+    assert len(store) == 300 + 500
+    clock.advance(2.5)
+    assert len(store) == 0
+    # Forgotten clients come back to full buckets.
+    assert store.check_now([one(per_key, "header:k=c0")]).remaining == (2.0,)
+
+
+def test_a_denied_request_stores_no_bucket_for_the_limits_that_had_room(store):
+    roomy = limit("roomy", "1/hour", 100)
+    tight = limit("tight", "1/hour", 1)
+    store.check_now([one(tight, "ip=192.0.2.1")])
+    assert len(store) == 1
+    assert not store.check_now([one(roomy, "ip=192.0.2.1"), one(tight, "ip=192.0.2.1")]).allowed
+    assert len(store) == 1
+
+
+async def test_the_async_check_and_close_use_the_same_buckets(store):
+    per_ip = limit("per-ip", "1/hour", 2)
+    assert (await store.check([one(per_ip)])).remaining == (1.0,)
+    assert store.check_now([one(per_ip)]).remaining == (0.0,)
+    await store.close()
+    assert len(store) == 0
+    assert (await store.check([one(per_ip)])).remaining == (1.0,)
+
+
+def test_the_default_clock_is_monotonic_and_refills():
+    store = MemoryStore()
+    per_ip = limit("per-ip", "1000/second", 5)
+    assert store.check_now([one(per_ip, cost=5)]).remaining == (0.0,)
+    start = time.monotonic()
+    while store.check_now([one(per_ip, cost=0)]).remaining[0] < 1.0:
+        assert time.monotonic() - start < 5.0, "the store never refilled"
+    assert store.check_now([one(per_ip)]).allowed
+
+
+def test_random_traffic_matches_the_bucket_model_exactly(store, clock):
+    """The store carries bucket.check: same decisions, same counts, on the same clock."""
+    rng = random.Random(1234)
+    limits = [limit("a", "3/second", 5), limit("b", "1/minute", 2), limit("c", "50/second", 20)]
+    identities = ["ip=192.0.2.1", "ip=192.0.2.2", "header:k=x"]
+    model: dict[tuple[str, str], bucket.BucketState] = {}
+    for _ in range(3000):
+        clock.advance(rng.choice([0.0, rng.uniform(0, 0.2), rng.uniform(0, 3)]))
+        chosen = rng.sample(limits, rng.randint(1, 3))
+        checks = [LimitCheck(limit=lim, identity=rng.choice(identities), cost=rng.choice([0, 1, 1, 2, 6])) for lim in chosen]
+        specs = [bucket.BucketSpec(capacity=c.limit.burst, rate=c.limit.rate.per_second, cost=c.cost) for c in checks]
+        ids = [(c.limit.name, c.identity) for c in checks]
+        expected = bucket.check([model.get(i) for i in ids], specs, clock.now)
+        if expected.allowed:
+            for i, new, s in zip(ids, expected.states, specs):
+                if s.cost:
+                    model[i] = new
+
+        got = store.check_now(checks)
+
+        assert got.allowed is expected.allowed
+        assert got.remaining == pytest.approx(expected.remaining, abs=1e-9)
+        assert got.retry_after == pytest.approx(expected.retry_after, abs=1e-9)
+    assert len(store) <= len(limits) * len(identities)

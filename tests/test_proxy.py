@@ -1,0 +1,445 @@
+"""The proxy carries requests and responses faithfully: bytes, status codes,
+repeated headers, bodies both ways, hop-by-hop headers removed, X-Forwarded-*
+set, no open proxying, WebSockets, and errors as problem+json.
+
+Everything runs against the real gateway (in-process) in front of the real
+aiohttp upstream in tests/upstream.py. Where the exact bytes on the wire matter
+(request targets, Host headers, framing), requests go over a raw socket."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+from yarl import URL
+
+from gateway.testing import running_gateway
+from tests.processes import free_port
+from tests.upstream import GZIP_TEXT
+
+RAW_TIMEOUT = 10.0
+
+
+def passthrough_config(upstream: str, **route: str) -> str:
+    """One catch-all route to `upstream`, with no limits unless `limits` is given."""
+    extra = "".join(f"\n    {key}: {value}" for key, value in route.items())
+    return f"""
+limits:
+  one_handshake: {{rate: 1/hour, burst: 1}}
+routes:
+  - match: {{path: /}}
+    upstream: {upstream}{extra}
+"""
+
+
+def _dechunk(body: bytes) -> bytes:
+    out = bytearray()
+    while True:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            return bytes(out)
+        out += body[:size]
+        body = body[size + 2 :]
+
+
+async def raw_exchange(url: str, request: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
+    """Send `request` verbatim (it must ask for Connection: close) and read the whole answer.
+    Returns the status, every header line in order, and the body with chunked framing removed."""
+    target = URL(url)
+    reader, writer = await asyncio.open_connection(target.host, target.port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), RAW_TIMEOUT)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = [(name.strip(), value.strip()) for name, _, value in (line.partition(":") for line in lines[1:])]
+    if any(n.lower() == "transfer-encoding" and "chunked" in v.lower() for n, v in headers):
+        body = _dechunk(body)
+    return status, headers, body
+
+
+def values(headers: list[tuple[str, str]], name: str) -> list[str]:
+    return [v for n, v in headers if n.lower() == name.lower()]
+
+
+def seen_headers(echo: dict, name: str) -> list[str]:
+    """Every value of `name` as the echo upstream received it."""
+    return [v for n, v in echo["headers"] if n.lower() == name.lower()]
+
+
+@pytest.fixture
+async def gw(upstream):
+    async with running_gateway(passthrough_config(upstream)) as gateway:
+        yield gateway
+
+
+@pytest.fixture
+async def client():
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        yield session
+
+
+# --- bytes pass through unchanged -------------------------------------------
+
+
+async def test_gzip_response_is_passed_through_compressed_with_its_content_encoding(gw, client):
+    async with client.get(gw.url + "/gzip", headers={"Accept-Encoding": "gzip"}) as response:
+        raw = await response.read()
+        assert response.status == 200
+        assert response.headers["Content-Encoding"] == "gzip"
+        assert response.headers["Content-Length"] == str(len(raw))
+    assert len(raw) == len(gzip.compress(GZIP_TEXT)) < len(GZIP_TEXT)  # still compressed: not inflated
+    assert gzip.decompress(raw) == GZIP_TEXT
+
+
+async def test_every_value_of_a_repeated_response_header_reaches_the_client(gw, client):
+    async with client.get(gw.url + "/set-cookie") as response:
+        assert response.status == 200
+        assert response.headers.getall("Set-Cookie") == ["a=1; Path=/", "b=2; Path=/; HttpOnly"]
+        assert response.headers.getall("X-Multi") == ["one", "two"]
+
+
+async def test_redirects_are_returned_to_the_client_not_followed(gw, client):
+    async with client.get(gw.url + "/redirect", allow_redirects=False) as response:
+        assert response.status == 302
+        assert response.headers["Location"] == "/echo"
+
+
+@pytest.mark.parametrize("code", [201, 204, 304, 404, 418, 500, 503])
+async def test_upstream_status_codes_reach_the_client_unchanged(gw, client, code):
+    async with client.get(gw.url + f"/status/{code}") as response:
+        assert response.status == code
+        assert await response.read() == b""
+        assert response.headers.get("Content-Type") != "application/problem+json"
+
+
+async def test_head_gets_the_headers_of_get_and_no_body(gw):
+    status, headers, body = await raw_exchange(
+        gw.url, b"HEAD /stream?size=5000&length=1 HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n"
+    )
+    assert status == 200
+    assert values(headers, "Content-Length") == ["5000"]
+    assert body == b""
+
+
+async def test_empty_request_and_response_bodies(gw, client):
+    async with client.post(gw.url + "/echo/empty", data=b"") as response:
+        echo = await response.json()
+    assert echo["method"] == "POST"
+    assert echo["body_length"] == 0
+    assert seen_headers(echo, "Content-Length") in ([], ["0"])
+    async with client.get(gw.url + "/status/200") as response:
+        assert response.status == 200
+        assert response.headers["Content-Length"] == "0"
+        assert await response.read() == b""
+
+
+async def test_a_chunked_response_arrives_chunked_and_whole(gw):
+    status, headers, body = await raw_exchange(
+        gw.url, b"GET /stream?size=300000 HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n"
+    )
+    assert status == 200
+    # Exactly the gateway's own framing: the upstream's Transfer-Encoding was not copied on top of it.
+    assert values(headers, "Transfer-Encoding") == ["chunked"]
+    assert values(headers, "Content-Length") == []
+    assert body == b"x" * 300000
+
+
+async def test_a_response_with_content_length_keeps_it(gw, client):
+    async with client.get(gw.url + "/stream?size=300000&length=1") as response:
+        assert response.headers["Content-Length"] == "300000"
+        assert "Transfer-Encoding" not in response.headers
+        assert len(await response.read()) == 300000
+
+
+async def test_a_request_body_with_content_length_arrives_intact(gw, client):
+    body = bytes(range(256)) * 100
+    async with client.post(gw.url + "/echo/upload", data=body) as response:
+        echo = await response.json()
+    assert echo["body"].encode("latin-1") == body
+    assert seen_headers(echo, "Content-Length") == [str(len(body))]
+
+
+async def test_a_chunked_request_body_arrives_intact(gw, client):
+    pieces = [bytes([i]) * (1000 + i) for i in range(40)]
+
+    async def chunks():
+        for piece in pieces:
+            yield piece
+
+    async with client.put(gw.url + "/echo/chunked", data=chunks()) as response:
+        echo = await response.json()
+    assert echo["method"] == "PUT"
+    assert echo["body"].encode("latin-1") == b"".join(pieces)
+    # The upstream sees one framing: the gateway's own, not the client's copied on top.
+    assert seen_headers(echo, "Transfer-Encoding") == ["chunked"]
+
+
+async def test_a_raw_chunked_request_body_arrives_intact(gw):
+    request = (
+        b"POST /echo/raw-chunked HTTP/1.1\r\nHost: gw\r\nConnection: close\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\nhello\r\n1\r\n \r\n6\r\nworld!\r\n0\r\n\r\n"
+    )
+    status, _, body = await raw_exchange(gw.url, request)
+    echo = json.loads(body)
+    assert status == 200
+    assert echo["body"] == "hello world!"
+    assert echo["body_length"] == 12
+
+
+async def test_a_request_with_expect_100_continue_is_answered(gw):
+    target = URL(gw.url)
+    reader, writer = await asyncio.open_connection(target.host, target.port)
+    try:
+        writer.write(
+            b"POST /echo/expect HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n"
+            b"Content-Length: 5\r\nExpect: 100-continue\r\n\r\n"
+        )
+        await writer.drain()
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), RAW_TIMEOUT)
+        assert interim.startswith(b"HTTP/1.1 100")
+        writer.write(b"hello")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), RAW_TIMEOUT)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["body"] == "hello"
+
+
+# --- headers ------------------------------------------------------------------
+
+
+async def test_hop_by_hop_request_headers_are_not_forwarded(gw):
+    request = (
+        b"GET /echo/hop HTTP/1.1\r\nHost: gw\r\n"
+        b"Connection: close, X-Custom-Hop, x-other-hop\r\n"
+        b"X-Custom-Hop: secret\r\nX-Other-Hop: secret too\r\n"
+        b"Keep-Alive: timeout=5\r\nProxy-Connection: keep-alive\r\nTE: trailers\r\n"
+        b"Trailer: X-Checksum\r\nUpgrade: h2c\r\nX-End-To-End: kept\r\n\r\n"
+    )
+    status, _, body = await raw_exchange(gw.url, request)
+    assert status == 200
+    received = {name.lower() for name, _ in json.loads(body)["headers"]}
+    for hop in ("x-custom-hop", "x-other-hop", "keep-alive", "proxy-connection", "te", "trailer", "upgrade"):
+        assert hop not in received
+    assert "x-end-to-end" in received
+    connection = [v for n, v in json.loads(body)["headers"] if n.lower() == "connection"]
+    assert not any("hop" in v.lower() for v in connection)
+
+
+async def test_hop_by_hop_response_headers_are_not_returned(gw, client):
+    async with client.get(gw.url + "/hop") as response:
+        assert response.status == 200
+        assert await response.text() == "hop"
+        for hop in ("X-Secret-Hop", "Keep-Alive", "Proxy-Connection", "TE", "Trailer", "Upgrade"):
+            assert hop not in response.headers, hop
+        assert "x-secret-hop" not in response.headers.get("Connection", "").lower()
+        assert response.headers["X-Kept"] == "yes"
+
+
+async def test_x_forwarded_headers_append_the_peer_and_name_proto_and_host(gw):
+    request = (
+        b"GET /echo/fwd HTTP/1.1\r\nHost: api.example.test:8443\r\nConnection: close\r\n"
+        b"X-Forwarded-For: 203.0.113.7\r\nX-Forwarded-For: 198.51.100.2, 192.0.2.9\r\n"
+        b"X-Forwarded-Proto: https\r\nX-Forwarded-Host: forged.example\r\n\r\n"
+    )
+    status, _, body = await raw_exchange(gw.url, request)
+    echo = json.loads(body)
+    assert status == 200
+    assert seen_headers(echo, "X-Forwarded-For") == ["203.0.113.7, 198.51.100.2, 192.0.2.9, 127.0.0.1"]
+    assert seen_headers(echo, "X-Forwarded-Proto") == ["http"]
+    assert seen_headers(echo, "X-Forwarded-Host") == ["api.example.test:8443"]
+
+
+async def test_x_forwarded_for_is_set_when_the_client_sent_none(gw, client):
+    async with client.get(gw.url + "/echo/fwd") as response:
+        echo = await response.json()
+    assert seen_headers(echo, "X-Forwarded-For") == ["127.0.0.1"]
+
+
+async def test_the_upstream_sees_its_own_host_unless_preserve_host(upstream):
+    upstream_authority = URL(upstream).raw_authority
+    request = b"GET /echo/host HTTP/1.1\r\nHost: public.example\r\nConnection: close\r\n\r\n"
+    async with running_gateway(passthrough_config(upstream)) as gw:
+        _, _, body = await raw_exchange(gw.url, request)
+    assert seen_headers(json.loads(body), "Host") == [upstream_authority]
+    async with running_gateway(passthrough_config(upstream, preserve_host="true")) as gw:
+        _, _, body = await raw_exchange(gw.url, request)
+    assert seen_headers(json.loads(body), "Host") == ["public.example"]
+
+
+# --- no open proxy -------------------------------------------------------------
+
+
+@pytest.fixture
+async def decoy():
+    """A server the gateway must never contact; counts every request it gets."""
+    hits: list[str] = []
+
+    async def record(request: web.Request) -> web.Response:
+        hits.append(request.raw_path)
+        return web.Response(text="decoy")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", record)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"127.0.0.1:{runner.addresses[0][1]}", hits
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_absolute_form_request_target_goes_to_the_routes_upstream(gw, decoy):
+    elsewhere, hits = decoy
+    for target in (f"http://{elsewhere}/echo/abs?q=1", "http://elsewhere.invalid/echo/abs?q=1"):
+        request = f"GET {target} HTTP/1.1\r\nHost: {elsewhere}\r\nConnection: close\r\n\r\n".encode()
+        status, _, body = await raw_exchange(gw.url, request)
+        assert status == 200
+        echo = json.loads(body)
+        assert echo["path"] == "/echo/abs?q=1"
+    assert hits == []
+
+
+@pytest.mark.parametrize(
+    "host", ["{decoy}", "elsewhere.invalid", "elsewhere.invalid:80", "user@{decoy}", "[::1]:1", ""]
+)
+async def test_an_odd_host_header_never_changes_the_upstream(gw, decoy, host):
+    elsewhere, hits = decoy
+    host_line = f"Host: {host.format(decoy=elsewhere)}\r\n"
+    request = f"GET /echo/host-test HTTP/1.1\r\n{host_line}Connection: close\r\n\r\n".encode()
+    status, _, body = await raw_exchange(gw.url, request)
+    assert hits == []
+    assert status == 200, body
+    assert json.loads(body)["path"] == "/echo/host-test"
+
+
+async def test_connect_never_opens_a_tunnel(gw, decoy):
+    elsewhere, hits = decoy
+    request = f"CONNECT {elsewhere} HTTP/1.1\r\nHost: {elsewhere}\r\nConnection: close\r\n\r\n".encode()
+    status, _, body = await raw_exchange(gw.url, request)
+    assert hits == []
+    assert status != 200 or json.loads(body)["method"] == "CONNECT"
+
+
+# --- WebSocket --------------------------------------------------------------------
+
+
+async def test_websocket_text_and_binary_frames_are_proxied_both_ways_with_the_subprotocol(upstream, client):
+    async with running_gateway(passthrough_config(upstream)) as gw:
+        async with client.ws_connect(gw.url + "/ws", protocols=("chat",)) as ws:
+            assert ws.protocol == "chat"
+            await ws.send_str("hello")
+            assert await ws.receive_str(timeout=RAW_TIMEOUT) == "echo:hello"
+            await ws.send_bytes(b"\x00\x01binary\xff")
+            assert await ws.receive_bytes(timeout=RAW_TIMEOUT) == b"\xffyranib\x01\x00"
+            for i in range(20):  # frames after the handshake are not rate limited
+                await ws.send_str(str(i))
+                assert await ws.receive_str(timeout=RAW_TIMEOUT) == f"echo:{i}"
+
+
+async def test_the_limit_applies_to_the_websocket_handshake(upstream, client):
+    async with running_gateway(passthrough_config(upstream, limits="[one_handshake]")) as gw:
+        async with client.ws_connect(gw.url + "/ws", protocols=("chat",)) as ws:
+            await ws.send_str("first")
+            assert await ws.receive_str(timeout=RAW_TIMEOUT) == "echo:first"
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await client.ws_connect(gw.url + "/ws", protocols=("chat",))
+            assert refused.value.status == 429
+            await ws.send_str("still open")
+            assert await ws.receive_str(timeout=RAW_TIMEOUT) == "echo:still open"
+
+
+async def test_the_websocket_handshake_response_carries_the_ratelimit_headers(upstream):
+    request = (
+        b"GET /ws HTTP/1.1\r\nHost: gw\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        b"Sec-WebSocket-Protocol: chat\r\n\r\n"
+    )
+    async with running_gateway(passthrough_config(upstream, limits="[one_handshake]")) as gw:
+        target = URL(gw.url)
+        reader, writer = await asyncio.open_connection(target.host, target.port)
+        try:
+            writer.write(request)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), RAW_TIMEOUT)
+        finally:
+            writer.close()
+            await writer.wait_closed()
+    lines = head.decode("latin-1").split("\r\n")
+    assert lines[0].startswith("HTTP/1.1 101")
+    headers = {n.strip().lower(): v.strip() for n, _, v in (line.partition(":") for line in lines[1:] if line)}
+    assert headers["sec-websocket-protocol"] == "chat"
+    assert headers["ratelimit-policy"] == '"one_handshake";q=1;w=3600'
+    assert headers["ratelimit"].startswith('"one_handshake";r=0;')
+
+
+async def test_a_websocket_handshake_the_upstream_refuses_gives_502(upstream, client):
+    async with running_gateway(passthrough_config(upstream)) as gw:
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await client.ws_connect(gw.url + "/echo/not-a-websocket")
+    assert refused.value.status == 502
+
+
+# --- errors as problem+json ----------------------------------------------------------
+
+
+async def assert_problem(response: aiohttp.ClientResponse, status: int) -> dict:
+    assert response.status == status
+    assert response.headers["Content-Type"].split(";")[0] == "application/problem+json"
+    body = json.loads(await response.read())
+    assert body["status"] == status
+    assert isinstance(body["type"], str) and body["type"]
+    assert isinstance(body["title"], str) and body["title"]
+    assert isinstance(body["detail"], str) and body["detail"]
+    return body
+
+
+async def test_an_upstream_that_refuses_the_connection_gives_502(client):
+    nothing_listening = f"http://127.0.0.1:{free_port()}"
+    async with running_gateway(passthrough_config(nothing_listening)) as gw:
+        async with client.get(gw.url + "/anything") as response:
+            body = await assert_problem(response, 502)
+    assert body["title"] == "Bad Gateway"
+
+
+async def test_an_upstream_that_does_not_answer_in_time_gives_504(upstream, client):
+    async with running_gateway(passthrough_config(upstream, timeout="{read: 200ms}")) as gw:
+        async with client.get(gw.url + "/slow?seconds=5") as response:
+            body = await assert_problem(response, 504)
+    assert body["title"] == "Gateway Timeout"
+
+
+async def test_an_upstream_error_on_a_limited_route_still_carries_the_ratelimit_headers(client):
+    nothing_listening = f"http://127.0.0.1:{free_port()}"
+    async with running_gateway(passthrough_config(nothing_listening, limits="[one_handshake]")) as gw:
+        async with client.get(gw.url + "/anything") as response:
+            await assert_problem(response, 502)
+            assert response.headers["RateLimit-Policy"] == '"one_handshake";q=1;w=3600'
+            assert response.headers["RateLimit"].startswith('"one_handshake";r=0;')
+
+
+async def test_a_request_that_matches_no_route_gives_404(upstream, client):
+    config = f"""
+routes:
+  - match: {{path: /api}}
+    upstream: {upstream}
+"""
+    async with running_gateway(config) as gw:
+        async with client.get(gw.url + "/elsewhere") as response:
+            body = await assert_problem(response, 404)
+        async with client.get(gw.url + "/apix") as response:
+            await assert_problem(response, 404)
+    assert body["title"] == "Not Found"

@@ -1,0 +1,197 @@
+"""What clients see of the limits: RateLimit-Policy and RateLimit on every
+response of a limited route (draft-ietf-httpapi-ratelimit-headers, structured
+field form), describing the most restrictive limit; on 429 a Retry-After in
+whole seconds (rounded up, at least 1) and a problem+json body naming the
+limit; and several limits on one request charged all or nothing."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import aiohttp
+import pytest
+from multidict import CIMultiDict
+
+from gateway.config.model import Limit
+from gateway.limiter.limiter import LimitStatus
+from gateway.proxy.ratelimit_headers import most_restrictive, ratelimit_headers, retry_after_seconds
+from gateway.testing import config_from_yaml, running_gateway
+
+LIMITS = """
+trusted_proxies: [127.0.0.1/32]
+limits:
+  per_client: {rate: 100/minute, burst: 20}
+  tight: {rate: 10/minute, burst: 3}
+  per_key: {rate: 1/hour, burst: 1, key: header:X-Api-Key}
+  per_ip3: {rate: 1/hour, burst: 3}
+  hourly: {rate: 1/hour, burst: 1}
+  half_second: {rate: 2/second, burst: 1}
+"""
+
+
+def responses_config(upstream: str) -> str:
+    routes = {
+        "/single": "[per_client]",
+        "/double": "[per_client, tight]",
+        "/combo": "[per_key, per_ip3]",
+        "/hourly": "[hourly]",
+        "/fast": "[half_second]",
+        "/costly": "[{name: per_client, cost: 5}]",
+        "/free": "[]",
+    }
+    lines = [LIMITS, "routes:"]
+    for path, limits in routes.items():
+        lines.append(f"  - match: {{path: {path}}}\n    upstream: {upstream}\n    strip_prefix: true\n    limits: {limits}")
+    return "\n".join(lines)
+
+
+@pytest.fixture
+async def gw(upstream):
+    async with running_gateway(responses_config(upstream)) as gateway:
+        yield gateway
+
+
+@pytest.fixture
+async def client():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def get(client: aiohttp.ClientSession, url: str, **headers: str) -> tuple[int, CIMultiDict[str], bytes]:
+    async with client.get(url, headers={k.replace("_", "-"): v for k, v in headers.items()}, allow_redirects=False) as r:
+        return r.status, CIMultiDict(r.headers), await r.read()
+
+
+# --- through the gateway -----------------------------------------------------------------
+
+
+async def test_one_request_leaves_nineteen_of_a_burst_of_twenty(gw, client):
+    status, headers, _ = await get(client, gw.url + "/single/echo")
+    assert status == 200
+    assert headers["RateLimit-Policy"] == '"per_client";q=20;w=12'
+    assert headers["RateLimit"] == '"per_client";r=19;t=1'
+    status, headers, _ = await get(client, gw.url + "/single/echo")
+    assert headers["RateLimit"] == '"per_client";r=18;t=2'
+
+
+@pytest.mark.parametrize(("path", "code"), [("/status/404", 404), ("/redirect", 302), ("/status/500", 500)])
+async def test_every_response_of_a_limited_route_carries_the_fields(gw, client, path, code):
+    status, headers, _ = await get(client, gw.url + "/single" + path)
+    assert status == code
+    assert headers.getall("RateLimit-Policy") == ['"per_client";q=20;w=12']
+    assert headers.getall("RateLimit") == ['"per_client";r=19;t=1']
+
+
+async def test_a_route_without_limits_carries_no_ratelimit_fields(gw, client):
+    status, headers, _ = await get(client, gw.url + "/free/echo")
+    assert status == 200
+    assert "RateLimit-Policy" not in headers and "RateLimit" not in headers
+
+
+async def test_a_cost_is_charged_and_reported(gw, client):
+    _, headers, _ = await get(client, gw.url + "/costly/echo")
+    assert headers["RateLimit"] == '"per_client";r=15;t=3'
+
+
+async def test_the_fields_describe_the_most_restrictive_of_two_limits(gw, client):
+    for remaining in (2, 1, 0):
+        status, headers, _ = await get(client, gw.url + "/double/echo")
+        assert status == 200
+        assert headers["RateLimit-Policy"] == '"tight";q=3;w=18'
+        assert headers["RateLimit"].startswith(f'"tight";r={remaining};t=')
+    status, headers, body = await get(client, gw.url + "/double/echo")
+    assert status == 429
+    assert headers["RateLimit-Policy"] == '"tight";q=3;w=18'
+    assert headers["RateLimit"].startswith('"tight";r=0;t=')
+    problem = json.loads(body)
+    assert problem["limits"] == ["tight"]
+    assert "tight" in problem["detail"] and "per_client" not in problem["detail"]
+
+
+async def test_a_429_has_a_problem_body_naming_the_limit_and_retry_after_in_whole_seconds(gw, client):
+    assert (await get(client, gw.url + "/hourly/echo"))[0] == 200
+    status, headers, body = await get(client, gw.url + "/hourly/echo")
+    assert status == 429
+    assert headers["Content-Type"].split(";")[0] == "application/problem+json"
+    # 3600 s less the moment since the first request, rounded up (rounding down would give 3599).
+    assert headers["Retry-After"] == "3600"
+    problem = json.loads(body)
+    assert problem["status"] == 429
+    assert problem["title"] == "Too Many Requests"
+    assert problem["type"]
+    assert problem["limits"] == ["hourly"]
+    assert "'hourly'" in problem["detail"]
+    assert headers["RateLimit"] == '"hourly";r=0;t=3600'
+
+
+async def test_retry_after_is_at_least_one_second_for_a_sub_second_wait(gw, client):
+    assert (await get(client, gw.url + "/fast/echo"))[0] == 200
+    status, headers, _ = await get(client, gw.url + "/fast/echo")
+    assert status == 429  # the next token is at most 0.5 s away
+    assert headers["Retry-After"] == "1"
+
+
+async def test_several_limits_are_all_or_nothing(gw, client):
+    async def combo(key: str, ip: str) -> tuple[int, CIMultiDict[str], bytes]:
+        return await get(client, gw.url + "/combo/echo", X_Api_Key=key, X_Forwarded_For=ip)
+
+    status, headers, _ = await combo("k1", "192.0.2.1")
+    assert status == 200
+    assert headers["RateLimit"].startswith('"per_key";r=0;')  # per_key 0 left, per_ip3 2 left
+    for _ in range(5):
+        status, headers, body = await combo("k1", "192.0.2.1")
+        assert status == 429
+        assert json.loads(body)["limits"] == ["per_key"]
+    # per_key denied five times; had per_ip3 been charged, it would be empty now.
+    assert (await combo("k2", "192.0.2.1"))[0] == 200
+    status, headers, _ = await combo("k3", "192.0.2.1")
+    assert status == 200
+    # Both have 0 left; the tie goes to the one slower to refill.
+    assert headers["RateLimit"].startswith('"per_ip3";r=0;')
+    status, headers, body = await combo("k4", "192.0.2.1")
+    assert status == 429
+    assert json.loads(body)["limits"] == ["per_ip3"]
+    assert headers["RateLimit-Policy"] == '"per_ip3";q=3;w=10800'
+    # per_ip3 denied k4, so k4's own bucket was not charged: from another address it passes.
+    assert (await combo("k4", "192.0.2.2"))[0] == 200
+
+
+# --- pure: gateway.proxy.ratelimit_headers -----------------------------------------------
+
+
+def limits_by_name() -> dict[str, Limit]:
+    config = config_from_yaml(LIMITS + "routes:\n  - match: {path: /}\n    upstream: http://up.internal\n")
+    return {limit.name: limit for limit in config.limits}
+
+
+@pytest.mark.parametrize(
+    ("seconds", "header"),
+    [(0.0, 1), (0.001, 1), (0.5, 1), (1.0, 1), (1.0001, 2), (1.5, 2), (59.2, 60), (3599.9, 3600), (math.inf, 86400)],
+)
+def test_retry_after_seconds_rounds_up_to_at_least_one(seconds, header):
+    assert retry_after_seconds(seconds) == header
+
+
+def test_ratelimit_headers_floor_the_remaining_and_round_the_reset_up():
+    limit = limits_by_name()["per_client"]  # 100/minute: 5/3 tokens a second
+    headers = ratelimit_headers([LimitStatus(limit=limit, cost=1, remaining=18.7, outcome="allow")])
+    assert headers == {"RateLimit-Policy": '"per_client";q=20;w=12', "RateLimit": '"per_client";r=18;t=1'}
+    full = ratelimit_headers([LimitStatus(limit=limit, cost=1, remaining=20.0, outcome="allow")])
+    assert full["RateLimit"] == '"per_client";r=20;t=0'
+
+
+def test_the_most_restrictive_limit_counts_requests_left_not_tokens():
+    limits = limits_by_name()
+    big_cost = LimitStatus(limit=limits["per_client"], cost=5, remaining=10.0, outcome="allow")  # 2 requests left
+    small_cost = LimitStatus(limit=limits["tight"], cost=1, remaining=3.0, outcome="allow")  # 3 requests left
+    assert most_restrictive([small_cost, big_cost]) is big_cost
+    assert ratelimit_headers([small_cost, big_cost])["RateLimit-Policy"] == '"per_client";q=20;w=12'
+
+
+def test_limits_with_unknown_remaining_are_not_described():
+    limits = limits_by_name()
+    unknown = LimitStatus(limit=limits["tight"], cost=1, remaining=None, outcome="fail_open")
+    known = LimitStatus(limit=limits["per_client"], cost=1, remaining=5.0, outcome="fail_local")
+    assert ratelimit_headers([unknown]) == {}
+    assert ratelimit_headers([unknown, known])["RateLimit"].startswith('"per_client";r=5;')

@@ -1,0 +1,221 @@
+"""When Redis is slow, stopped, restarted or loses its script cache.
+
+Each check is bounded by store.timeout as a whole, pool wait included; a check
+that timed out is never sent again; a fail-open or fail-closed answer costs a
+request at most the timeout; decisions resume as soon as Redis is back; and
+SCRIPT FLUSH is invisible to clients. Latency is asserted only where the
+requirement is about latency, on medians, since the machine is shared."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import statistics
+import time
+
+import aiohttp
+import pytest
+
+from gateway.config.model import StoreConfig
+from gateway.limiter.redis_store import RedisStore
+from gateway.limiter.store import LimitCheck, StoreDecision, StoreError
+from gateway.testing import config_from_yaml, running_gateway
+
+# Added latency allowed on top of store.timeout for a fail-open or fail-closed answer.
+LATENCY_SLACK = 0.005
+
+
+def gateway_yaml(store_url: str, upstream: str, *, timeout: str, burst: int = 10, rate: str = "1/day") -> str:
+    """Three routes: /free has no limit, /open fails open, /closed fails closed."""
+    return f"""
+store:
+  url: {store_url}
+  timeout: {timeout}
+limits:
+  fair:
+    rate: {rate}
+    burst: {burst}
+    key: header:X-API-Key
+    on_store_error: open
+  strict:
+    rate: {rate}
+    burst: {burst}
+    key: header:X-API-Key
+    on_store_error: closed
+routes:
+  - match: {{path: /free}}
+    upstream: {upstream}
+  - match: {{path: /open}}
+    upstream: {upstream}
+    limits: [fair]
+  - match: {{path: /closed}}
+    upstream: {upstream}
+    limits: [strict]
+"""
+
+
+def store_config(url: str, *, timeout: float, max_connections: int = 32) -> StoreConfig:
+    return StoreConfig(
+        url=url, timeout=timeout, prefix="rl:", local_divisor=1, max_connections=max_connections, key_secret=None
+    )
+
+
+def one_limit(burst: int = 50):
+    config = config_from_yaml(
+        f"""
+limits:
+  per_client: {{rate: 1/day, burst: {burst}, key: header:X-API-Key}}
+routes:
+  - match: {{path: /}}
+    upstream: http://127.0.0.1:1
+    limits: [per_client]
+"""
+    )
+    return config.limits[0]
+
+
+async def get(http: aiohttp.ClientSession, url: str, key: str = "k") -> aiohttp.ClientResponse:
+    async with http.get(url, headers={"X-API-Key": key}) as response:
+        await response.read()
+        return response
+
+
+def gateway_connections(redis_server) -> int:
+    """Connections to Redis other than this test's own client."""
+    return len([c for c in redis_server.client().client_list() if c["cmd"] != "client|list"])
+
+
+async def test_a_burst_beyond_the_pool_waits_for_a_connection_within_the_timeout(redis_server):
+    store = RedisStore(store_config(redis_server.url, timeout=2.0, max_connections=2))
+    await store.start()
+    try:
+        check = [LimitCheck(limit=one_limit(burst=50), identity="header:x-api-key=k", cost=1)]
+        answers = await asyncio.gather(*(store.check(check) for _ in range(200)), return_exceptions=True)
+        assert gateway_connections(redis_server) <= 2
+    finally:
+        await store.close()
+    errors = [a for a in answers if isinstance(a, BaseException)]
+    assert errors == []
+    assert collections.Counter(a.allowed for a in answers) == {True: 50, False: 150}
+
+
+async def test_pool_wait_counts_against_the_timeout_and_never_raises_too_many_connections(redis_server):
+    store = RedisStore(store_config(redis_server.url, timeout=0.01, max_connections=2))
+    await store.start()
+    check = [LimitCheck(limit=one_limit(), identity="header:x-api-key=k", cost=1)]
+    try:
+        redis_server.pause()
+        try:
+            # Two checks hold the two connections, 198 wait for one; none may wait past 10 ms.
+            async with asyncio.timeout(10):
+                answers = await asyncio.gather(*(store.check(check) for _ in range(200)), return_exceptions=True)
+        finally:
+            redis_server.resume()
+        assert all(isinstance(a, StoreError) for a in answers), {type(a).__name__ for a in answers}
+        assert {str(a).rpartition(": ")[2] for a in answers} == {"no answer within 10 ms"}
+        # The pool recovers: later checks get fresh connections and answers.
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                assert isinstance(await store.check(check), StoreDecision)
+                break
+            except StoreError:
+                assert time.monotonic() < deadline, "the store never answered again"
+        assert gateway_connections(redis_server) <= 2
+    finally:
+        await store.close()
+
+
+async def test_a_check_that_timed_out_is_not_sent_again(redis_server, upstream):
+    config = gateway_yaml(redis_server.url, upstream, timeout="200ms")
+    client = redis_server.client()
+    async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
+        first = await get(http, gw.url + "/open")
+        assert first.headers["RateLimit"] == '"fair";r=9;t=86400'
+        (bucket,) = [k for k in client.scan_iter("rl:fair:*")]
+        redis_server.pause()
+        try:
+            timed_out = await get(http, gw.url + "/open")
+        finally:
+            redis_server.resume()
+        assert timed_out.status == 200 and "RateLimit" not in timed_out.headers, "the check did not time out"
+        # The EVALSHA sent before the timeout may run once Redis wakes; it must not run twice.
+        charges = 9 - float(client.hget(bucket, "tokens"))
+        assert round(charges) in (0, 1) and charges == pytest.approx(round(charges), abs=0.01)
+        # Later replies are not mixed up with the abandoned one: each matches Redis.
+        for _ in range(3):
+            answer = await get(http, gw.url + "/open")
+            tokens = float(client.hget(bucket, "tokens"))
+            assert answer.headers["RateLimit"].startswith(f'"fair";r={int(tokens)};')
+
+
+async def median_added_latency(http: aiohttp.ClientSession, url: str, limited: str, *, rounds: int = 25):
+    """Median latency of `limited` minus that of the unlimited /free route, interleaved to share the noise."""
+    free, slow, statuses = [], [], collections.Counter()
+    for _ in range(rounds):
+        started = time.perf_counter()
+        await get(http, url + "/free")
+        free.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        response = await get(http, url + limited)
+        slow.append(time.perf_counter() - started)
+        statuses[response.status] += 1
+    return statistics.median(slow) - statistics.median(free), statuses
+
+
+@pytest.mark.parametrize("outage", ["paused", "stopped"])
+async def test_fail_open_and_fail_closed_add_at_most_the_timeout(redis_server, upstream, outage):
+    timeout = 0.01  # the default store.timeout
+    config = gateway_yaml(redis_server.url, upstream, timeout="10ms")
+    async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
+        assert (await get(http, gw.url + "/open")).status == 200
+        if outage == "paused":
+            redis_server.pause()
+        else:
+            redis_server.stop()
+        try:
+            added_open, open_statuses = await median_added_latency(http, gw.url, "/open")
+            added_closed, closed_statuses = await median_added_latency(http, gw.url, "/closed")
+        finally:
+            if outage == "paused":
+                redis_server.resume()
+    assert open_statuses == {200: 25}
+    assert closed_statuses == {503: 25}
+    assert added_open < timeout + LATENCY_SLACK, f"fail-open added {added_open * 1000:.1f} ms"
+    assert added_closed < timeout + LATENCY_SLACK, f"fail-closed added {added_closed * 1000:.1f} ms"
+
+
+async def test_decisions_resume_within_a_second_of_redis_restarting_on_the_same_port(redis_server, upstream):
+    config = gateway_yaml(redis_server.url, upstream, timeout="10ms")
+    port = redis_server.port
+    async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
+        assert "RateLimit" in (await get(http, gw.url + "/open")).headers
+        redis_server.stop()
+        down = await get(http, gw.url + "/open")
+        assert down.status == 200 and "RateLimit" not in down.headers
+        redis_server.start()
+        back = time.monotonic()
+        assert redis_server.port == port and redis_server.client().ping()
+        while "RateLimit" not in (await get(http, gw.url + "/open")).headers:
+            assert time.monotonic() - back < 1.0, "decisions did not resume within 1 s of Redis restarting"
+        assert time.monotonic() - back < 1.0
+        # A restarted Redis has forgotten the bucket: the client starts from a full one.
+        assert (await get(http, gw.url + "/open")).headers["RateLimit"] == '"fair";r=8;t=172800'
+
+
+async def test_script_flush_during_traffic_is_invisible_to_clients(redis_server, upstream):
+    config = gateway_yaml(redis_server.url, upstream, timeout="2s", burst=100)
+    client = redis_server.client()
+    async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
+        client.config_resetstat()
+        statuses: collections.Counter[int] = collections.Counter()
+        for _ in range(4):
+            client.script_flush()
+            # 50 requests at once, so the flush lands while checks are in flight.
+            wave = asyncio.gather(*(get(http, gw.url + "/closed") for _ in range(50)))
+            await asyncio.to_thread(client.script_flush)
+            statuses.update(r.status for r in await wave)
+        stats = client.info("commandstats")
+    assert statuses == {200: 100, 429: 100}
+    # The flushes did bite: some EVALSHA got NOSCRIPT and the script was sent in full.
+    assert stats["cmdstat_eval"]["calls"] >= 1

@@ -1,0 +1,86 @@
+"""The race the Lua script exists for: many gateway processes, one client, one
+Redis. Four gateways started through the CLI answer 400 concurrent requests
+for one API key against a burst of 50; exactly 50 pass. A naive
+read-compute-write client, given the same concurrency, lets more through."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+
+import aiohttp
+import redis.asyncio
+
+from tests.processes import GatewayProcess
+
+GATEWAYS = 4
+REQUESTS = 400
+BURST = 50
+
+# A generous store timeout and fail-closed: a slow, shared machine shows up as
+# 503s, which fail the test, never as fail-open 200s that could hide a race.
+RACE_CONFIG = """
+listen: 127.0.0.1:0
+admin_listen: 127.0.0.1:0
+store:
+  url: {url}
+  timeout: 2s
+limits:
+  per_client:
+    rate: 1/day
+    burst: {burst}
+    key: header:X-API-Key
+    on_store_error: closed
+routes:
+  - match: {{path: /}}
+    upstream: {upstream}
+    limits: [per_client]
+"""
+
+
+async def naive_take_one(client: redis.asyncio.Redis, key: str, capacity: float, rate: float) -> bool:
+    """A token bucket without the script: read, compute in Python, write back."""
+    tokens, stamp = await client.hmget(key, "tokens", "ts")
+    seconds, micros = await client.time()  # another client may charge the bucket meanwhile
+    now = seconds + micros / 1e6
+    held = capacity if tokens is None else min(capacity, float(tokens) + (now - float(stamp)) * rate)
+    if held < 1:
+        return False
+    await client.hset(key, mapping={"tokens": held - 1, "ts": now})
+    return True
+
+
+async def test_four_gateways_let_exactly_the_burst_through_and_a_naive_client_does_not(redis_server, upstream):
+    config = RACE_CONFIG.format(url=redis_server.url, burst=BURST, upstream=upstream)
+    gateways = [GatewayProcess(config) for _ in range(GATEWAYS)]
+    with contextlib.ExitStack() as stack:
+        for gateway in gateways:
+            stack.callback(gateway.__exit__, None, None, None)
+        await asyncio.gather(*(asyncio.to_thread(gateway.start) for gateway in gateways))
+
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector) as http:
+
+            async def request(i: int) -> tuple[int, int]:
+                url = gateways[i % GATEWAYS].url + "/race"
+                async with http.get(url, headers={"X-API-Key": "one-client"}) as response:
+                    await response.read()
+                    return i % GATEWAYS, response.status
+
+            answers = await asyncio.gather(*(request(i) for i in range(REQUESTS)))
+
+    statuses = collections.Counter(status for _, status in answers)
+    assert statuses == {200: BURST, 429: REQUESTS - BURST}, statuses
+    assert collections.Counter(g for g, _ in answers) == {g: REQUESTS // GATEWAYS for g in range(GATEWAYS)}
+
+    pool = redis.asyncio.BlockingConnectionPool(port=redis_server.port, max_connections=8)
+    naive = redis.asyncio.Redis(connection_pool=pool)
+    try:
+        taken = await asyncio.gather(
+            *(naive_take_one(naive, "naive:one-client", BURST, 1 / 86400) for _ in range(REQUESTS))
+        )
+        assert len(set(pool._in_use_connections) | set(pool._available_connections)) > 1
+    finally:
+        await naive.aclose()
+    assert sum(taken) > BURST, "the naive client kept to the limit; the race did not happen"

@@ -1,0 +1,87 @@
+"""Shipping: the Lua script travels inside the wheel and is found with importlib.resources.
+
+SLOW-ish (about 5-15 s) and needs PyPI or pip's cache: pip builds the wheel in
+an isolated environment that installs setuptools. The wheel is built from a
+copy of the sources, so no build/ folder is left in (or reused from) the
+checkout, then installed into a fresh venv without pip. The project's
+dependencies are made importable there through a .pth line pointing at this
+venv's site-packages; .pth files inside that folder are not run, so the
+editable install of the checkout does not come along. Python then runs from a
+temporary directory, where only the installed copy can answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "lua" / "token_bucket.lua"
+
+PROBE = """
+import importlib.resources, json, sys
+import gateway
+from gateway.limiter.redis_store import load_script
+print(json.dumps({
+    "gateway": gateway.__file__,
+    "resource": importlib.resources.files("gateway.lua").joinpath("token_bucket.lua").read_text(encoding="utf-8"),
+    "loaded": load_script(),
+    "path": sys.path,
+}))
+"""
+
+
+def run(*args: str | Path, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    result = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+@pytest.mark.timeout(180)
+def test_an_installed_wheel_ships_the_lua_script_and_loads_it_from_outside_the_source_tree(tmp_path: Path):
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, source / name)
+    for folder in ("gateway", "lua"):
+        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+
+    dist = tmp_path / "dist"
+    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--disable-pip-version-check", "-w", dist, source,
+        cwd=tmp_path)
+    (wheel,) = dist.glob("ratelimit_gateway-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        assert "gateway/lua/token_bucket.lua" in names
+        assert archive.read("gateway/lua/token_bucket.lua").decode("utf-8") == SCRIPT.read_text(encoding="utf-8")
+    assert not any(name.startswith(("lua/", "tests/")) for name in names), "stray top-level packages in the wheel"
+
+    target = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(target)
+    python = target / "bin" / "python"
+    run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "--quiet",
+        "--disable-pip-version-check", wheel, cwd=tmp_path)
+    site_packages = Path(
+        run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=tmp_path).stdout.strip()
+    )
+    (site_packages / "project_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME")}
+    probe = json.loads(run(python, "-c", PROBE, cwd=elsewhere, env=env).stdout)
+
+    assert Path(probe["gateway"]).is_relative_to(target), f"imported the checkout, not the wheel: {probe['gateway']}"
+    assert not any((elsewhere / entry).resolve() == ROOT for entry in probe["path"]), probe["path"]
+    assert probe["resource"] == SCRIPT.read_text(encoding="utf-8")
+    assert probe["loaded"] == probe["resource"]
+
