@@ -156,6 +156,9 @@ class GatewayProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        for pipe in (self.process.stdout, self.process.stderr):
+            if pipe:
+                pipe.close()
         return self.process.returncode
 
     def rss_bytes(self) -> int:

@@ -1,10 +1,16 @@
 """Bodies stream through the gateway both ways and are never held whole: a
 1 GiB upload and a 1 GiB download pass while the gateway process's RSS stays
 under 150 MB. The gateway runs as its own process (GatewayProcess), so the RSS
-measured is the gateway's alone; the upstream and the client run here."""
+measured is the gateway's alone; the upstream and the client run here.
+
+Each transfer also stalls its receiving side for STALL_SECONDS early on. A
+gateway that kept reading from the fast side without waiting for the slow one
+would pull hundreds of megabytes into memory in that second; one that applies
+backpressure holds no more than its socket buffers and a chunk."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -18,6 +24,9 @@ GIB = 1 << 30
 RSS_LIMIT = 150 * 1000 * 1000
 UPLOAD_BLOCK = b"u" * (1 << 20)
 SAMPLE_INTERVAL = 0.02
+# Long enough for an unbounded buffer to pass 150 MB even on a busy machine; it is a
+# stalled reader being simulated, not a wait for anything.
+STALL_SECONDS = 1.0
 
 
 class PeakRss:
@@ -72,8 +81,12 @@ async def test_a_1_gib_download_streams_through_within_150_mb_of_gateway_rss(gat
             async with client.get(gateway_process.url + f"/stream?size={GIB}") as response:
                 assert response.status == 200
                 assert response.headers["Transfer-Encoding"] == "chunked"
+                stalled = False
                 async for chunk in response.content.iter_chunked(1 << 20):
                     received += len(chunk)
+                    if not stalled and received >= 1 << 20:
+                        stalled = True
+                        await asyncio.sleep(STALL_SECONDS)  # a client that stops reading for a while
     elapsed = time.monotonic() - started
     print(f"1 GiB download: {elapsed:.1f} s, gateway peak RSS {rss.peak / 1e6:.1f} MB over {rss.samples} samples")
     assert received == GIB
@@ -90,7 +103,8 @@ async def test_a_1_gib_upload_streams_through_within_150_mb_of_gateway_rss(gatew
     started = time.monotonic()
     with PeakRss(gateway_process) as rss:
         async with aiohttp.ClientSession() as client:
-            async with client.post(gateway_process.url + "/sink", data=body()) as response:
+            # The upstream waits STALL_SECONDS before it reads the body at all.
+            async with client.post(gateway_process.url + f"/sink?pause={STALL_SECONDS}", data=body()) as response:
                 assert response.status == 200
                 answer = await response.json()
     elapsed = time.monotonic() - started

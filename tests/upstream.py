@@ -28,7 +28,8 @@ async def echo(request: web.Request) -> web.Response:
 
 
 async def sink(request: web.Request) -> web.Response:
-    """Counts an uploaded body without keeping it."""
+    """Counts an uploaded body without keeping it; `pause` seconds first, like a busy upstream."""
+    await asyncio.sleep(float(request.query.get("pause", "0")))
     total = 0
     async for chunk in request.content.iter_chunked(1 << 16):
         total += len(chunk)
