@@ -112,6 +112,7 @@ class GatewayProcess:
         self.process: subprocess.Popen | None = None
         self.stderr_lines: list[str] = []
         self.stdout_lines: list[str] = []
+        self._readers: list[threading.Thread] = []
         self._listening = threading.Event()
         self.url = self.admin_url = ""
 
@@ -120,8 +121,12 @@ class GatewayProcess:
             [sys.executable, "-m", "gateway", "run", "-c", str(self.config_path), *self._args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self._env,
         )
-        threading.Thread(target=self._read, args=(self.process.stderr, self.stderr_lines, True), daemon=True).start()
-        threading.Thread(target=self._read, args=(self.process.stdout, self.stdout_lines, False), daemon=True).start()
+        self._readers = [
+            threading.Thread(target=self._read, args=(self.process.stderr, self.stderr_lines, True), daemon=True),
+            threading.Thread(target=self._read, args=(self.process.stdout, self.stdout_lines, False), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
         if not self._listening.wait(START_DEADLINE):
             self.stop()
             raise AssertionError("gateway did not start:\n" + "".join(self.stderr_lines))
@@ -156,6 +161,8 @@ class GatewayProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        for reader in self._readers:
+            reader.join(timeout=5)  # they end at EOF, once the process and its children are gone
         for pipe in (self.process.stdout, self.process.stderr):
             if pipe:
                 pipe.close()

@@ -16,10 +16,11 @@ import time
 import aiohttp
 import pytest
 
-from gateway.config.model import StoreConfig
+from gateway.config.model import Limit, StoreConfig
 from gateway.limiter.redis_store import RedisStore
 from gateway.limiter.store import LimitCheck, StoreDecision, StoreError
 from gateway.testing import config_from_yaml, running_gateway
+from tests.processes import RedisServer
 
 # Added latency allowed on top of store.timeout for a fail-open or fail-closed answer.
 LATENCY_SLACK = 0.005
@@ -60,7 +61,7 @@ def store_config(url: str, *, timeout: float, max_connections: int = 32) -> Stor
     )
 
 
-def one_limit(burst: int = 50):
+def one_limit(burst: int = 50) -> Limit:
     config = config_from_yaml(
         f"""
 limits:
@@ -212,6 +213,82 @@ async def test_decisions_resume_within_a_second_of_redis_restarting_on_the_same_
         assert time.monotonic() - back < 1.0
         # A restarted Redis has forgotten the bucket: the client starts from a full one.
         assert (await get(http, gw.url + "/open")).headers["RateLimit"] == '"fair";r=8;t=172800'
+
+
+async def test_a_gateway_started_before_redis_starts_deciding_once_redis_is_up(upstream):
+    server = RedisServer()  # a free port, nothing listening yet
+    try:
+        async with running_gateway(gateway_yaml(server.url, upstream, timeout="10ms")) as gw:
+            async with aiohttp.ClientSession() as http:
+                assert (await get(http, gw.url + "/open")).status == 200
+                assert (await get(http, gw.url + "/closed")).status == 503
+                server.start()
+                up = time.monotonic()
+                while "RateLimit" not in (await get(http, gw.url + "/open")).headers:
+                    assert time.monotonic() - up < 1.0, "decisions did not begin within 1 s of Redis starting"
+                assert (await get(http, gw.url + "/closed")).headers["RateLimit"] == '"strict";r=9;t=86400'
+    finally:
+        server.__exit__(None, None, None)
+
+
+async def test_gateways_keep_sharing_buckets_after_redis_restarts_empty(redis_server, upstream):
+    """A restarted Redis has lost the fleet's identity secret along with the buckets.
+    A gateway that started before the restart must publish its secret again, or a
+    gateway started afterwards picks another one and each client gets two buckets."""
+    config = gateway_yaml(redis_server.url, upstream, timeout="2s")
+    async with running_gateway(config) as before, aiohttp.ClientSession() as http:
+        assert (await get(http, before.url + "/closed")).status == 200
+        redis_server.stop()
+        redis_server.start()
+        assert redis_server.client().dbsize() == 0
+        # The first check may meet the connection the restart closed (503); the next one decides.
+        answer = await get(http, before.url + "/closed")
+        if answer.status == 503:
+            answer = await get(http, before.url + "/closed")
+        assert answer.headers["RateLimit"] == '"strict";r=9;t=86400'
+        async with running_gateway(config) as after:
+            statuses = collections.Counter()
+            for i in range(20):
+                statuses[(await get(http, (before, after)[i % 2].url + "/closed")).status] += 1
+    assert statuses == {200: 9, 429: 11}
+
+
+async def test_gateways_agree_again_when_a_new_gateway_reaches_an_emptied_redis_first(
+    redis_server, upstream, monkeypatch
+):
+    """The other order: after an empty restart a new gateway starts first, picks a new
+    secret and loads the script, so the old gateway never sees NOSCRIPT. It re-reads the
+    secret every SECRET_REREAD_SECONDS (shortened here) and then shares buckets again."""
+    from gateway.limiter import redis_store
+
+    config = gateway_yaml(redis_server.url, upstream, timeout="2s")
+    async with running_gateway(config) as before, aiohttp.ClientSession() as http:
+        assert (await get(http, before.url + "/closed")).status == 200
+        redis_server.stop()
+        redis_server.start()
+        async with running_gateway(config) as after:
+            assert (await get(http, after.url + "/closed")).status == 200  # after's secret is now Redis's
+            monkeypatch.setattr(redis_store, "SECRET_REREAD_SECONDS", 0.0)
+            store = before.gateway.store
+            secret_key = "rl:" + redis_store.SECRET_KEY_SUFFIX
+
+            def adopted() -> bool:
+                return store._secret == redis_server.client().get(secret_key).encode()
+
+            assert not adopted()
+            for _ in range(100):
+                # The first check meets the connection the restart closed; a later one starts the re-read.
+                await get(http, before.url + "/closed")
+                await asyncio.sleep(0.01)  # lets the background re-read run in this loop
+                if adopted():
+                    break
+            monkeypatch.setattr(redis_store, "SECRET_REREAD_SECONDS", 3600.0)
+            assert adopted()
+            redis_server.client().flushdb()
+            statuses = collections.Counter()
+            for i in range(20):
+                statuses[(await get(http, (before, after)[i % 2].url + "/closed")).status] += 1
+    assert statuses == {200: 10, 429: 10}
 
 
 async def test_script_flush_during_traffic_is_invisible_to_clients(redis_server, upstream):

@@ -27,11 +27,12 @@ from tests.processes import RedisServer, free_port, wait_until
 SECRET_KEY = "rl:identity-secret"
 
 
-def gateway_yaml(store_url: str, upstream: str, limits: str, route_limits: str, *, timeout: str = "2s") -> str:
+def gateway_yaml(store_url: str, upstream: str, limits: str, route_limits: str, *, prefix: str = "rl:") -> str:
     return f"""
 store:
   url: {store_url}
-  timeout: {timeout}
+  timeout: 2s
+  prefix: '{prefix}'
 limits:
 {limits}
 routes:
@@ -124,9 +125,7 @@ async def test_bucket_key_is_prefix_limit_and_hash_tagged_identity_digest(redis_
 
 
 async def test_configured_prefix_is_used_for_every_key(redis_server, upstream):
-    config = gateway_yaml(redis_server.url, upstream, PER_CLIENT, "[per_client]").replace(
-        "  timeout: 2s", "  timeout: 2s\n  prefix: 'team-a:'"
-    )
+    config = gateway_yaml(redis_server.url, upstream, PER_CLIENT, "[per_client]", prefix="team-a:")
     async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
         async with http.get(gw.url + "/a", headers={"X-API-Key": "k"}) as response:
             assert response.status == 200

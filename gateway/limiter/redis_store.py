@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Sequence
 from importlib import resources
 from urllib.parse import urlsplit, urlunsplit
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 SCRIPT_NAME = "token_bucket.lua"
 # Gateways sharing a Redis share this identity-hashing secret unless key_secret is set.
 SECRET_KEY_SUFFIX = "identity-secret"
+# How often a gateway re-reads that secret, so a fleet agrees again within this
+# long after a Redis that keeps no data restarts (set store.key_secret to avoid it).
+SECRET_REREAD_SECONDS = 10.0
 
 
 def load_script(name: str = SCRIPT_NAME) -> str:
@@ -57,6 +61,8 @@ class RedisStore:
         self._script = load_script()
         self._sha: str | None = None
         self._secret: bytes | None = config.key_secret.encode() if config.key_secret else None
+        self._secret_read_at = 0.0
+        self._secret_task: asyncio.Future[None] | None = None
         pool = redis.BlockingConnectionPool.from_url(
             config.url,
             max_connections=config.max_connections,
@@ -74,7 +80,7 @@ class RedisStore:
             retry_on_error=[],
             health_check_interval=0,
         )
-        self._client = redis.Redis(connection_pool=pool)
+        self._client = redis.Redis.from_pool(pool)  # closing the client closes the pool
 
     async def start(self) -> None:
         await self._with_timeout(self._prepare(), timeout=max(self._config.timeout, 1.0))
@@ -83,36 +89,51 @@ class RedisStore:
         await self._with_timeout(self._client.ping(), timeout=max(self._config.timeout, 0.25))
 
     async def close(self) -> None:
+        if self._secret_task is not None:
+            self._secret_task.cancel()
         await self._client.aclose()
 
     async def check(self, checks: Sequence[LimitCheck]) -> StoreDecision:
         return await self._with_timeout(self._check(checks), timeout=self._config.timeout)
 
     async def _prepare(self) -> None:
-        if self._secret is None:
-            # The first gateway to start picks the secret; the rest of the fleet reads it.
-            name = f"{self._config.prefix}{SECRET_KEY_SUFFIX}"
-            await self._client.set(name, os.urandom(32).hex(), nx=True)
-            value = await self._client.get(name)
-            if value is None:
-                raise StoreError(f"the identity secret {name!r} vanished from Redis")
-            self._secret = value
+        if not self._config.key_secret:
+            await self._share_secret()
         self._sha = await self._client.script_load(self._script)
+
+    async def _share_secret(self) -> None:
+        """Agree with the fleet on the identity secret kept in Redis.
+
+        The first gateway to start picks it and the rest read it. A Redis that
+        restarted empty has lost it: the secret this gateway already hashes with is
+        offered again, so gateways started before and after the restart agree."""
+        name = f"{self._config.prefix}{SECRET_KEY_SUFFIX}"
+        offer = self._secret.decode() if self._secret is not None else os.urandom(32).hex()
+        await self._client.set(name, offer, nx=True)
+        value = await self._client.get(name)
+        if value is None:
+            raise StoreError(f"the identity secret {name!r} vanished from Redis")
+        self._secret = value
+        self._secret_read_at = time.monotonic()
 
     async def _check(self, checks: Sequence[LimitCheck]) -> StoreDecision:
         if self._secret is None or self._sha is None:
             await self._prepare()
         assert self._secret is not None and self._sha is not None
-        keys = [bucket_key(self._config.prefix, c.limit.name, identity_digest(self._secret, c.identity)) for c in checks]
         args: list[str] = []
         for c in checks:
             args += [repr(float(c.limit.burst)), repr(c.limit.rate.per_second), str(c.cost)]
         try:
-            reply = await self._client.evalsha(self._sha, len(keys), *keys, *args)
+            reply = await self._client.evalsha(self._sha, len(checks), *self._keys(checks), *args)
         except NoScriptError:
-            # The script cache is empty after a restart, a failover or SCRIPT FLUSH.
-            # NOSCRIPT means nothing ran, so sending the script itself is safe.
-            reply = await self._client.eval(self._script, len(keys), *keys, *args)
+            # The script cache is empty after a restart, a failover or SCRIPT FLUSH, and
+            # a restart also lost the identity secret: offer ours again before another
+            # gateway picks a new one. NOSCRIPT means nothing ran, so sending the
+            # script itself is safe.
+            if not self._config.key_secret:
+                await self._share_secret()
+            reply = await self._client.eval(self._script, len(checks), *self._keys(checks), *args)
+        self._maybe_reread_secret()
         allowed, remaining, retry_ms = reply
         retry_ms = int(retry_ms)
         return StoreDecision(
@@ -120,6 +141,32 @@ class RedisStore:
             remaining=tuple(float(r) for r in remaining),
             retry_after=float("inf") if retry_ms < 0 else retry_ms / 1000,
         )
+
+    def _maybe_reread_secret(self) -> None:
+        """Every SECRET_REREAD_SECONDS, in the background, adopt the secret Redis holds now.
+
+        A Redis that restarted empty may have been given a new secret by a gateway
+        that started since; without this, older gateways would keep hashing with
+        the old one and every client would get one bucket per secret."""
+        if self._config.key_secret or self._secret_task is not None:
+            return
+        now = time.monotonic()
+        if now - self._secret_read_at < SECRET_REREAD_SECONDS:
+            return
+        self._secret_read_at = now
+        self._secret_task = asyncio.ensure_future(self._reread_secret())
+
+    async def _reread_secret(self) -> None:
+        try:
+            await self._with_timeout(self._share_secret(), timeout=max(self._config.timeout, 1.0))
+        except StoreError as exc:
+            log.debug("could not re-read the identity secret: %s", exc)
+        finally:
+            self._secret_task = None
+
+    def _keys(self, checks: Sequence[LimitCheck]) -> list[str]:
+        assert self._secret is not None
+        return [bucket_key(self._config.prefix, c.limit.name, identity_digest(self._secret, c.identity)) for c in checks]
 
     async def _with_timeout(self, work, *, timeout: float):
         try:
