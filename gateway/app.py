@@ -24,9 +24,14 @@ class Gateway:
         self.store = make_store(config.store)
         self.limiter = Limiter(self.store, local_divisor=config.store.local_divisor if config.store else 1)
         self.handler = ProxyHandler(config, self.limiter, self.metrics)
-        self.public_app = web.Application()
-        self.public_app.router.add_route("*", "/{tail:.*}", self.handler.handle)
+        # Every request goes to the proxy handler, whatever aiohttp's router makes of its
+        # target (CONNECT's authority form, `*`), so each gets our 404 and is counted.
+        self.public_app = web.Application(middlewares=[self._proxy_everything])
         self.admin_app = admin_app(config, self.limiter, self.metrics)
+
+    @web.middleware
+    async def _proxy_everything(self, request: web.Request, handler: object) -> web.StreamResponse:
+        return await self.handler.handle(request)
 
     async def start(self) -> None:
         try:

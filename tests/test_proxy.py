@@ -330,9 +330,11 @@ async def test_an_odd_host_header_never_changes_the_upstream(gw, decoy, host):
 async def test_connect_never_opens_a_tunnel(gw, decoy):
     elsewhere, hits = decoy
     request = f"CONNECT {elsewhere} HTTP/1.1\r\nHost: {elsewhere}\r\nConnection: close\r\n\r\n".encode()
-    status, _, _ = await raw_exchange(gw.url, request)
+    status, headers, body = await raw_exchange(gw.url, request)
     assert hits == []
-    assert status == 404
+    assert status == 400
+    assert values(headers, "Content-Type")[0].startswith("application/problem+json")
+    assert json.loads(body)["status"] == 400
 
 
 # --- WebSocket --------------------------------------------------------------------

@@ -17,7 +17,10 @@ from gateway.limiter import bucket
 from gateway.limiter.keys import identity_digest
 from gateway.limiter.store import LimitCheck, StoreDecision
 
-_BucketId = tuple[str, str]  # (limit name, identity digest)
+_BucketId = tuple[str, str]
+# Buckets examined for dropping per check: far more than a check can add, so memory
+# still follows the active clients, while no single request pays for a long quiet spell.
+FORGET_PER_CHECK = 64  # (limit name, identity digest)
 
 
 class MemoryStore:
@@ -46,7 +49,7 @@ class MemoryStore:
 
     def check_now(self, checks: Sequence[LimitCheck]) -> StoreDecision:
         now = self._clock()
-        self._forget_full(now)
+        self._forget_full(now, at_most=FORGET_PER_CHECK)
         ids = [(c.limit.name, identity_digest(self._secret, c.identity)) for c in checks]
         specs = [bucket.BucketSpec(capacity=c.limit.burst, rate=c.limit.rate.per_second, cost=c.cost) for c in checks]
         held = [self._buckets.get(i) for i in ids]
@@ -66,8 +69,9 @@ class MemoryStore:
         self._forget_full(self._clock())
         return len(self._buckets)
 
-    def _forget_full(self, now: float) -> None:
-        while self._expiry and self._expiry[0][0] <= now:
+    def _forget_full(self, now: float, at_most: float = float("inf")) -> None:
+        while self._expiry and self._expiry[0][0] <= now and at_most > 0:
+            at_most -= 1
             _, bucket_id = heapq.heappop(self._expiry)
             held = self._buckets.get(bucket_id)
             if held is None:

@@ -67,6 +67,11 @@ class ProxyHandler:
         route: Route | None = None
         response: web.StreamResponse | None = None
         try:
+            if request.method == "CONNECT" or not request.path.startswith("/"):
+                # Authority-form (CONNECT host:port) and asterisk-form (OPTIONS *) targets
+                # name no resource of ours: this is a reverse proxy, never a tunnel.
+                response = problem(400, "Bad Request", "Only origin-form request targets such as /path are served.")
+                return response
             route = self._router.find(request.method, _request_host(request), normalize_path(request.path))
             if route is None:
                 response = problem(404, "Not Found", "No route matches this request.")
