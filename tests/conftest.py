@@ -1,3 +1,4 @@
+import aiohttp
 import pytest
 
 from tests.processes import RedisServer
@@ -15,3 +16,11 @@ async def upstream():
 def redis_server():
     with RedisServer() as server:
         yield server
+
+
+@pytest.fixture
+async def client():
+    """An HTTP client that shows bodies as sent (no automatic decompression) and sends
+    Cookie headers as set (with a cookie jar, aiohttp re-parses and rewrites them)."""
+    async with aiohttp.ClientSession(auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()) as session:
+        yield session

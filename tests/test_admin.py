@@ -39,11 +39,6 @@ routes:
 """
 
 
-@pytest.fixture
-async def client():
-    async with aiohttp.ClientSession() as session:
-        yield session
-
 
 async def scrape(client: aiohttp.ClientSession, admin_url: str) -> tuple[str, list]:
     async with client.get(admin_url + "/metrics") as response:

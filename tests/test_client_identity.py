@@ -34,12 +34,6 @@ routes:
 """
 
 
-@pytest.fixture
-async def client():
-    # No cookie jar: with one, aiohttp re-parses and rewrites a Cookie header we set.
-    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
-        yield session
-
 
 def forwarded(*lines: str) -> CIMultiDict[str]:
     """One X-Forwarded-For header line per argument."""

@@ -83,11 +83,6 @@ async def gw(upstream):
         yield gateway
 
 
-@pytest.fixture
-async def client():
-    async with aiohttp.ClientSession(auto_decompress=False) as session:
-        yield session
-
 
 # --- bytes pass through unchanged -------------------------------------------
 

@@ -52,11 +52,6 @@ async def gw(upstream):
         yield gateway
 
 
-@pytest.fixture
-async def client():
-    async with aiohttp.ClientSession() as session:
-        yield session
-
 
 async def get(client: aiohttp.ClientSession, url: str, **headers: str) -> tuple[int, CIMultiDict[str], bytes]:
     async with client.get(url, headers={k.replace("_", "-"): v for k, v in headers.items()}, allow_redirects=False) as r:

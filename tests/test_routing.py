@@ -162,11 +162,6 @@ async def gw(upstream):
         yield gateway
 
 
-@pytest.fixture
-async def client():
-    async with aiohttp.ClientSession() as session:
-        yield session
-
 
 async def route_taken(client: aiohttp.ClientSession, method: str, url: str, **kwargs) -> str | None:
     async with client.request(method, URL(url, encoded=True), **kwargs) as response:
