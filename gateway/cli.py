@@ -93,10 +93,17 @@ def describe(config: GatewayConfig) -> str:
         from gateway.limiter.redis_store import redacted
 
         store = f"{redacted(config.store.url)} timeout={config.store.timeout * 1000:g}ms prefix={config.store.prefix!r}"
+        if config.store.local_divisor != 1:
+            store += f" local_divisor={config.store.local_divisor}"
+    trusted = ", ".join(str(network) for network in config.trusted_proxies) or "none (X-Forwarded-For is ignored)"
     lines = [
         f"{config.source}: OK",
-        f"listen {config.listen}, admin {config.admin_listen}, workers {config.workers}",
+        (
+            f"listen {config.listen}, admin {config.admin_listen}, workers {config.workers}, "
+            f"shutdown grace {config.shutdown_grace:g}s"
+        ),
         f"store: {store}",
+        f"trusted proxies: {trusted}",
         "limits:",
     ]
     for limit in config.limits:
@@ -107,5 +114,7 @@ def describe(config: GatewayConfig) -> str:
     lines.append("routes (first match wins):")
     for i, route in enumerate(config.routes):
         limits = ", ".join(f"{rl.limit.name} (cost {rl.cost})" for rl in route.limits) or "no limits"
-        lines.append(f"  [{i}] {route.label} -> {route.upstream}: {limits}")
+        options = [name for name in ("strip_prefix", "preserve_host") if getattr(route, name)]
+        options.append(f"timeout connect {route.timeout.connect:g}s read {route.timeout.read:g}s")
+        lines.append(f"  [{i}] {route.label} -> {route.upstream}: {limits}; {', '.join(options)}")
     return "\n".join(lines)

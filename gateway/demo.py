@@ -7,7 +7,7 @@ from aiohttp import web
 
 from gateway.config.model import GatewayConfig
 from gateway.config.units import Address, parse_address
-from gateway.server import StartupError, run_event_loop, serve
+from gateway.server import StartupError, os_reason, run_event_loop, serve
 
 
 def demo_upstream() -> web.Application:
@@ -30,7 +30,7 @@ async def _demo(config: GatewayConfig, address: Address) -> None:
         try:
             await web.TCPSite(runner, address.host, address.port).start()
         except OSError as exc:
-            raise StartupError(f"cannot start the demo upstream on {address}: {exc.strerror or exc}") from None
+            raise StartupError(f"cannot start the demo upstream on {address}: {os_reason(exc)}") from None
         await serve(config)
     finally:
         await runner.cleanup()

@@ -49,7 +49,7 @@ async def serve(config: GatewayConfig, *, access_log: str | None = None, workers
             try:
                 await web.TCPSite(runner, address.host, address.port, reuse_port=reuse).start()
             except OSError as exc:
-                raise StartupError(f"cannot listen on {address}: {exc.strerror or exc}") from None
+                raise StartupError(f"cannot listen on {address}: {os_reason(exc)}") from None
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -72,6 +72,11 @@ async def serve(config: GatewayConfig, *, access_log: str | None = None, workers
         await admin.cleanup()
         await gateway.close()
     log.info("stopped")
+
+
+def os_reason(exc: OSError) -> str:
+    """'Address already in use': uvloop's errors carry errno but no strerror."""
+    return os.strerror(exc.errno) if exc.errno else str(exc)
 
 
 def _bound(runner: web.AppRunner) -> str:
@@ -136,7 +141,7 @@ def check_bindable(address: Address) -> None:
             try:
                 sock.bind(sockaddr)
             except OSError as exc:
-                raise StartupError(f"cannot listen on {address}: {exc.strerror or exc}") from None
+                raise StartupError(f"cannot listen on {address}: {os_reason(exc)}") from None
 
 
 def _supervise(config: GatewayConfig, access_log: str | None) -> int:

@@ -102,12 +102,15 @@ class GatewayProcess:
     """`python -m gateway run -c FILE`, started as a user starts it. Listens on ports
     chosen by the kernel (port 0) and learns them from the startup line."""
 
-    def __init__(self, config_text: str, *, args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, config_text: str, *, args: tuple[str, ...] = (), env: dict[str, str] | None = None, command: str = "run"
+    ) -> None:
         handle = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="gateway-test-", delete=False)
         with handle:
             handle.write(config_text)
         self.config_path = Path(handle.name)
         self._args = args
+        self._command = command  # "run", or "demo" for the quick start
         self._env = {**os.environ, **(env or {})}
         self.process: subprocess.Popen | None = None
         self.stderr_lines: list[str] = []
@@ -118,7 +121,7 @@ class GatewayProcess:
 
     def start(self) -> GatewayProcess:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "run", "-c", str(self.config_path), *self._args],
+            [sys.executable, "-m", "gateway", self._command, "-c", str(self.config_path), *self._args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self._env,
         )
         self._readers = [

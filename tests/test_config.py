@@ -1,0 +1,424 @@
+"""The YAML config: parsed once into immutable typed objects, or rejected with one line
+that names the file, the YAML path and what was expected."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from gateway.config import ConfigError, GatewayConfig, load_config, parse_config
+from gateway.config.model import FailurePolicy, IdentitySource
+
+SOURCE = "gw.yaml"
+REPO = Path(__file__).resolve().parent.parent
+
+# The issue's example, exactly as written: config/gateway.yaml without the interpolation.
+ISSUE_EXAMPLE = """\
+listen: 0.0.0.0:8080
+admin_listen: 127.0.0.1:9090
+workers: 1
+store:
+  url: redis://127.0.0.1:6379/0
+  timeout: 10ms
+  prefix: "rl:"
+trusted_proxies: [10.0.0.0/8]
+limits:
+  per_client: {rate: 100/minute, burst: 20, key: [header:X-API-Key, ip], on_store_error: open}
+  reports: {rate: 1/second, burst: 5, key: [header:X-API-Key], on_store_error: closed}
+routes:
+  - match: {path: /api/reports, methods: [POST]}
+    upstream: http://127.0.0.1:9000
+    limits: [per_client, {name: reports, cost: 2}]
+  - match: {path: /}
+    upstream: http://127.0.0.1:9000
+    limits: [per_client]
+"""
+
+ROUTE = "routes:\n  - match: {path: /}\n    upstream: http://127.0.0.1:9000\n"
+ONE_LIMIT = "limits:\n  a: {rate: 10/second, burst: 3}\n"
+
+
+def parse(text: str, environ: dict[str, str] | None = None) -> GatewayConfig:
+    return parse_config(text, source=SOURCE, environ=environ or {})
+
+
+def error_of(text: str, environ: dict[str, str] | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse(text, environ)
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert message.startswith(f"{SOURCE}: "), message
+    return message
+
+
+# --- the issue's example -------------------------------------------------------------
+
+
+def test_issue_example_parses_into_the_expected_limits():
+    config = parse(ISSUE_EXAMPLE)
+    per_client, reports = config.limits
+    assert per_client.name == "per_client"
+    assert (per_client.rate.tokens, per_client.rate.period_seconds) == (100, 60)
+    assert per_client.burst == 20
+    assert per_client.key == (IdentitySource(kind="header", name="x-api-key"), IdentitySource(kind="ip"))
+    assert per_client.on_store_error is FailurePolicy.OPEN
+    assert reports.name == "reports"
+    assert (reports.rate.tokens, reports.rate.period_seconds) == (1, 1)
+    assert reports.burst == 5
+    assert reports.key == (IdentitySource(kind="header", name="x-api-key"),)
+    assert reports.on_store_error is FailurePolicy.CLOSED
+
+
+def test_issue_example_parses_into_the_expected_routes_and_costs():
+    config = parse(ISSUE_EXAMPLE)
+    per_client, reports = config.limits
+    first, second = config.routes
+    assert first.match.path == "/api/reports"
+    assert first.match.methods == frozenset({"POST"})
+    assert first.match.host is None
+    assert first.upstream == "http://127.0.0.1:9000"
+    assert [(rl.limit, rl.cost) for rl in first.limits] == [(per_client, 1), (reports, 2)]
+    assert second.match.path == "/"
+    assert second.match.methods is None
+    assert [(rl.limit, rl.cost) for rl in second.limits] == [(per_client, 1)]
+    assert not first.strip_prefix and not second.strip_prefix
+
+
+def test_issue_example_parses_listeners_store_and_trusted_proxies():
+    config = parse(ISSUE_EXAMPLE)
+    assert (config.listen.host, config.listen.port) == ("0.0.0.0", 8080)
+    assert (config.admin_listen.host, config.admin_listen.port) == ("127.0.0.1", 9090)
+    assert config.workers == 1
+    assert config.store is not None
+    assert config.store.url == "redis://127.0.0.1:6379/0"
+    assert config.store.timeout == pytest.approx(0.010)
+    assert config.store.prefix == "rl:"
+    assert [str(n) for n in config.trusted_proxies] == ["10.0.0.0/8"]
+    assert config.source == SOURCE
+
+
+def test_parsed_config_is_immutable():
+    config = parse(ISSUE_EXAMPLE)
+    for obj, field in [
+        (config, "workers"),
+        (config.store, "url"),
+        (config.limits[0], "burst"),
+        (config.routes[0], "upstream"),
+        (config.routes[0].match, "path"),
+        (config.routes[0].limits[0], "cost"),
+    ]:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, field, None)
+    assert isinstance(config.limits, tuple) and isinstance(config.routes, tuple)
+    assert isinstance(config.routes[0].match.methods, frozenset)
+
+
+def test_shipped_gateway_yaml_is_the_issue_example_plus_interpolation():
+    config = load_config(str(REPO / "config" / "gateway.yaml"))
+    example = parse(ISSUE_EXAMPLE)
+    assert config.limits == example.limits
+    assert config.routes == example.routes
+    assert config.store is not None and config.store.local_divisor == 4
+
+
+def test_shipped_demo_yaml_parses():
+    config = load_config(str(REPO / "config" / "demo.yaml"))
+    assert config.store is None
+    assert [(l.name, l.rate.text, l.burst) for l in config.limits] == [("per_client", "10/minute", 5)]
+
+
+# --- defaults and optional keys ----------------------------------------------------
+
+
+def test_defaults_when_only_routes_are_given():
+    config = parse(ROUTE)
+    assert str(config.listen) == "0.0.0.0:8080"
+    assert str(config.admin_listen) == "127.0.0.1:9090"
+    assert config.workers == 1
+    assert config.store is None
+    assert config.limits == ()
+    assert config.routes[0].limits == ()
+    assert config.shutdown_grace == 20
+    assert (config.routes[0].timeout.connect, config.routes[0].timeout.read) == (5, 60)
+
+
+def test_burst_defaults_to_the_rate_count_and_key_to_ip():
+    config = parse("limits:\n  a: {rate: 7/minute}\n" + ROUTE)
+    (limit,) = config.limits
+    assert limit.burst == 7
+    assert limit.key == (IdentitySource(kind="ip"),)
+    assert limit.on_store_error is FailurePolicy.OPEN
+
+
+def test_fractional_rate_needs_an_explicit_burst():
+    assert "limits.a.burst" in error_of("limits:\n  a: {rate: 0.5/second}\n" + ROUTE)
+    (limit,) = parse("limits:\n  a: {rate: 0.5/second, burst: 2}\n" + ROUTE).limits
+    assert limit.burst == 2 and limit.rate.per_second == 0.5
+
+
+def test_every_identity_source_kind_is_read():
+    config = parse("limits:\n  a: {rate: 1/second, key: [ip, header:X-Key, query:api_key, cookie:session]}\n" + ROUTE)
+    assert [str(k) for k in config.limits[0].key] == ["ip", "header:x-key", "query:api_key", "cookie:session"]
+
+
+def test_a_single_key_may_be_written_as_a_string():
+    config = parse("limits:\n  a: {rate: 1/second, key: header:X-Key}\n" + ROUTE)
+    assert config.limits[0].key == (IdentitySource(kind="header", name="x-key"),)
+
+
+def test_match_host_methods_strip_prefix_and_timeouts():
+    config = parse(
+        ONE_LIMIT
+        + "routes:\n"
+        "  - match: {path: /v1/, methods: [get, Post], host: API.Example.com}\n"
+        "    upstream: https://backend.internal:8443/\n"
+        "    strip_prefix: true\n"
+        "    preserve_host: true\n"
+        "    timeout: {connect: 250ms, read: 2m}\n"
+        "    limits: [{name: a}]\n"
+    )
+    (route,) = config.routes
+    assert route.match.path == "/v1"
+    assert route.match.methods == frozenset({"GET", "POST"})
+    assert route.match.host == "api.example.com"
+    assert route.upstream == "https://backend.internal:8443"
+    assert route.strip_prefix and route.preserve_host
+    assert (route.timeout.connect, route.timeout.read) == (0.25, 120)
+    assert route.limits[0].cost == 1
+
+
+def test_store_options_are_read():
+    config = parse(
+        "store:\n  url: rediss://user:pw@redis.internal:6380/3\n  timeout: 25ms\n  prefix: 'gw:'\n"
+        "  local_divisor: 4\n  max_connections: 8\n  key_secret: s3cret\nworkers: 3\n" + ROUTE
+    )
+    store = config.store
+    assert store is not None
+    assert (store.url, store.timeout, store.prefix) == ("rediss://user:pw@redis.internal:6380/3", 0.025, "gw:")
+    assert (store.local_divisor, store.max_connections, store.key_secret) == (4, 8, "s3cret")
+    assert config.workers == 3
+
+
+def test_unix_socket_store_url_may_choose_a_db():
+    config = parse("store: {url: 'unix:///run/redis.sock?db=2'}\n" + ROUTE)
+    assert config.store is not None and config.store.url == "unix:///run/redis.sock?db=2"
+
+
+def test_shutdown_grace_and_zero_cost_are_accepted():
+    config = parse("shutdown_grace: 1500ms\n" + ONE_LIMIT + ROUTE + "    limits: [{name: a, cost: 0}]\n")
+    assert config.shutdown_grace == 1.5
+    assert config.routes[0].limits[0].cost == 0
+
+
+def test_yaml_merge_keys_still_work():
+    config = parse(
+        "limits:\n  base: &base {rate: 1/second, burst: 5, key: [ip]}\n  other: {<<: *base, burst: 3}\n" + ROUTE
+    )
+    base, other = config.limits
+    assert (base.burst, other.burst) == (5, 3)
+    assert other.rate == base.rate and other.key == base.key
+
+
+# --- interpolation -----------------------------------------------------------------
+
+
+def test_interpolation_reads_the_environment_in_any_value():
+    config = parse(
+        "listen: ${HOST}:${PORT}\nstore: {url: '${REDIS_URL}', prefix: '${PREFIX:-gw}:'}\n" + ROUTE,
+        {"HOST": "127.0.0.1", "PORT": "8181", "REDIS_URL": "redis://r.internal:6379/1"},
+    )
+    assert str(config.listen) == "127.0.0.1:8181"
+    assert config.store is not None
+    assert config.store.url == "redis://r.internal:6379/1"
+    assert config.store.prefix == "gw:"
+
+
+def test_interpolation_inside_lists_and_nested_values():
+    config = parse(
+        "limits:\n  a: {rate: '${RATE:-5/second}', key: ['header:${KEY_HEADER}']}\n"
+        "routes:\n  - match: {path: /}\n    upstream: http://${UPSTREAM_HOST}:9000\n    limits: [a]\n",
+        {"KEY_HEADER": "X-Tenant", "UPSTREAM_HOST": "backend"},
+    )
+    assert config.limits[0].rate.text == "5/second"
+    assert str(config.limits[0].key[0]) == "header:x-tenant"
+    assert config.routes[0].upstream == "http://backend:9000"
+
+
+def test_environment_wins_over_the_default():
+    config = parse("workers: ${W:-2}\nstore: {url: 'redis://h/0'}\n" + ROUTE, {"W": "4"})
+    assert config.workers == 4
+
+
+def test_whole_value_interpolation_takes_the_yaml_type():
+    config = parse(
+        "workers: ${W:-2}\nstore:\n  url: redis://h/0\n  max_connections: ${MAXC}\n"
+        "routes:\n  - match: {path: /}\n    upstream: http://h:1\n    strip_prefix: ${STRIP:-true}\n",
+        {"MAXC": "16"},
+    )
+    assert config.workers == 2 and type(config.workers) is int
+    assert config.store is not None and config.store.max_connections == 16
+    assert config.routes[0].strip_prefix is True
+
+
+def test_quoted_whole_value_interpolation_in_flow_style_takes_the_yaml_type():
+    # Unquoted, `${M}` inside `{...}` would be YAML syntax; quoted, it is still converted.
+    config = parse("store: {url: 'redis://h/0', max_connections: '${M}'}\n" + ROUTE, {"M": "4"})
+    assert config.store is not None and config.store.max_connections == 4
+
+
+def test_partial_interpolation_stays_a_string():
+    # "${W}0" is text, not the integer 20: workers must be an integer.
+    message = error_of("workers: ${W}0\n" + ROUTE, {"W": "2"})
+    assert "workers: expected an integer, got a string" in message
+
+
+def test_empty_default_and_dollar_escape():
+    config = parse("store: {url: 'redis://h/0', prefix: '${P:-}', key_secret: 'a$$b'}\n" + ROUTE)
+    assert config.store is not None
+    assert config.store.prefix == ""
+    assert config.store.key_secret == "a$b"
+
+
+def test_missing_environment_variable_without_default_names_variable_and_path():
+    message = error_of("store:\n  url: ${REDIS_URL}\n" + ROUTE)
+    assert message.startswith(f"{SOURCE}: store.url: ")
+    assert "REDIS_URL is not set" in message
+
+
+def test_missing_environment_variable_inside_a_list_names_the_index():
+    message = error_of(
+        "limits:\n  a: {rate: 1/second}\nroutes:\n  - match: {path: /}\n    upstream: http://h:1\n"
+        "  - match: {path: /x}\n    upstream: http://h:1\n    limits: [a, '${EXTRA}']\n"
+    )
+    assert message.startswith(f"{SOURCE}: routes[1].limits[1]: ")
+    assert "EXTRA" in message
+
+
+# --- errors: one line naming the file, the YAML path and what was expected ---------
+
+ERROR_CASES = {
+    "malformed YAML": ("routes: [\n", "malformed YAML: line 2"),
+    "malformed YAML, tab indentation": ("routes:\n\t- a\n", "malformed YAML: line 2, column 1"),
+    "duplicate key": ("limits:\n  a: {rate: 1/second}\n  a: {rate: 5/second}\n" + ROUTE, "duplicate key 'a'"),
+    "deeply nested YAML": ("routes: " + "[" * 3000 + "]" * 3000, "nested too deeply"),
+    "empty file": ("", "the file is empty"),
+    "comments only": ("# nothing here\n", "the file is empty"),
+    "not a mapping": ("- routes\n", "expected a mapping, got a list"),
+    "unknown top-level key": ("listne: 0.0.0.0:80\n" + ROUTE, "listne: unknown key"),
+    "unknown nested key": ("store: {url: 'redis://h/0', timout: 5ms}\n" + ROUTE, "store.timout: unknown key"),
+    "unknown key in a limit": ("limits:\n  a: {rate: 1/second, brust: 2}\n" + ROUTE, "limits.a.brust: unknown key"),
+    "unknown key in a match": (
+        "routes:\n  - match: {path: /, method: [GET]}\n    upstream: http://h:1\n", "routes[0].match.method: unknown key"),
+    "unknown key in a route timeout": (
+        "routes:\n  - match: {path: /}\n    upstream: http://h:1\n    timeout: {total: 1s}\n",
+        "routes[0].timeout.total: unknown key"),
+    "missing routes": ("listen: 0.0.0.0:80\n", "routes: required key is missing"),
+    "no routes": ("routes: []\n", "routes: expected at least one route"),
+    "missing upstream": ("routes:\n  - match: {path: /}\n", "routes[0].upstream: required key is missing"),
+    "workers wrong type": ("workers: two\n" + ROUTE, "workers: expected an integer, got a string"),
+    "workers is a boolean": ("workers: true\n" + ROUTE, "workers: expected an integer, got a boolean"),
+    "workers zero": ("workers: 0\n" + ROUTE, "workers: expected an integer >= 1, got 0"),
+    "burst wrong type": ("limits:\n  a: {rate: 1/second, burst: lots}\n" + ROUTE, "limits.a.burst: expected an integer"),
+    "routes wrong type": ("routes: {path: /}\n", "routes: expected a list, got a mapping"),
+    "limits wrong type": ("limits: [a]\n" + ROUTE, "limits: expected a mapping, got a list"),
+    "strip_prefix wrong type": (
+        "routes:\n  - match: {path: /}\n    upstream: http://h:1\n    strip_prefix: yes please\n",
+        "routes[0].strip_prefix: expected true or false"),
+    "bad rate": ("limits:\n  a: {rate: 100/fortnight}\n" + ROUTE, "limits.a.rate: expected a rate such as 100/minute"),
+    "rate as a number": ("limits:\n  a: {rate: 100}\n" + ROUTE, "limits.a.rate: expected a rate"),
+    "bad store timeout": ("store: {url: 'redis://h/0', timeout: 10}\n" + ROUTE, "store.timeout: expected a duration"),
+    "bad route timeout": (
+        "routes:\n  - match: {path: /}\n    upstream: http://h:1\n    timeout: {read: soon}\n",
+        "routes[0].timeout.read: expected a duration"),
+    "zero shutdown grace": ("shutdown_grace: 0s\n" + ROUTE, "shutdown_grace: expected a duration greater than zero"),
+    "bad listen address": ("listen: 8080\n" + ROUTE, "listen: expected HOST:PORT"),
+    "bad admin port": ("admin_listen: 127.0.0.1:70000\n" + ROUTE, "admin_listen: port must be 0..65535"),
+    "upstream without scheme": (
+        "routes:\n  - match: {path: /}\n    upstream: 127.0.0.1:9000\n", "routes[0].upstream: expected an http:// or https:// URL"),
+    "upstream with unsupported scheme": (
+        "routes:\n  - match: {path: /}\n    upstream: ftp://h/\n", "routes[0].upstream: expected an http:// or https:// URL"),
+    "upstream with query": (
+        "routes:\n  - match: {path: /}\n    upstream: http://h/?a=1\n", "routes[0].upstream: expected an http"),
+    "upstream with bad port": (
+        "routes:\n  - match: {path: /}\n    upstream: http://h:99999\n", "routes[0].upstream: bad port"),
+    "store url unsupported scheme": ("store: {url: 'memcached://h:11211'}\n" + ROUTE, "store.url: expected a URL with scheme redis://"),
+    "store url without host": ("store: {url: 'redis:///0'}\n" + ROUTE, "store.url: expected a host"),
+    "store url bad port": ("store: {url: 'redis://h:notaport/0'}\n" + ROUTE, "store.url: bad port"),
+    "store url bad db": ("store: {url: 'redis://h:6379/zero'}\n" + ROUTE, "store.url: expected a database number"),
+    "store url unsupported query option": (
+        "store: {url: 'redis://h:6379/0?socket_timeout=5'}\n" + ROUTE,
+        "store.url: URL option 'socket_timeout' is not supported"),
+    "unix store url with unsupported option": (
+        "store: {url: 'unix:///run/r.sock?password=x'}\n" + ROUTE, "store.url: URL option 'password' is not supported"),
+    "store prefix with hash tag": ("store: {url: 'redis://h/0', prefix: '{rl}'}\n" + ROUTE, "store.prefix: must not contain"),
+    "undefined limit by name": (
+        ONE_LIMIT + "routes:\n  - match: {path: /}\n    upstream: http://h:1\n"
+        "  - match: {path: /x}\n    upstream: http://h:1\n    limits: [{name: nope}]\n",
+        "routes[1].limits[0].name: no limit named 'nope' is defined under `limits` (defined: a)"),
+    "undefined limit as a string": (
+        ROUTE + "    limits: [missing]\n", "routes[0].limits[0]: no limit named 'missing' is defined under `limits` (defined: none)"),
+    "limit listed twice": (ONE_LIMIT + ROUTE + "    limits: [a, a]\n", "routes[0].limits: a limit may appear only once"),
+    "route limit of the wrong type": (ONE_LIMIT + ROUTE + "    limits: [7]\n", "routes[0].limits[0]: expected a limit name or"),
+    "cost greater than burst": (
+        ONE_LIMIT + ROUTE + "    limits: [{name: a, cost: 4}]\n",
+        "routes[0].limits[0].cost: cost 4 is greater than the burst 3 of limit 'a'"),
+    "negative cost": (ONE_LIMIT + ROUTE + "    limits: [{name: a, cost: -1}]\n", "routes[0].limits[0].cost: expected an integer >= 0"),
+    "workers > 1 with the in-process store": ("workers: 2\n" + ROUTE, "workers: workers: 2 needs a shared store"),
+    "workers > 1 on port 0": (
+        "workers: 2\nlisten: 127.0.0.1:0\nstore: {url: 'redis://h/0'}\n" + ROUTE, "listen: port 0 needs workers: 1"),
+    "bad identity source": ("limits:\n  a: {rate: 1/second, key: [header]}\n" + ROUTE, "limits.a.key[0]: expected ip, header:NAME"),
+    "unknown identity kind": ("limits:\n  a: {rate: 1/second, key: [body:id]}\n" + ROUTE, "limits.a.key[0]: expected ip"),
+    "bad header name": ("limits:\n  a: {rate: 1/second, key: ['header:X Key']}\n" + ROUTE, "limits.a.key[0]: 'X Key' is not a valid header name"),
+    "empty key list": ("limits:\n  a: {rate: 1/second, key: []}\n" + ROUTE, "limits.a.key: expected at least one identity source"),
+    "bad failure policy": (
+        "limits:\n  a: {rate: 1/second, on_store_error: retry}\n" + ROUTE, "limits.a.on_store_error: expected open, closed or local"),
+    "bad limit name": ("limits:\n  'a b': {rate: 1/second}\n" + ROUTE, "limits.a b: limit names may use"),
+    "path without slash": ("routes:\n  - match: {path: api}\n    upstream: http://h:1\n", "routes[0].match.path: expected a path starting with /"),
+    "bad method": (
+        "routes:\n  - match: {path: /, methods: ['GE T']}\n    upstream: http://h:1\n", "routes[0].match.methods[0]: expected an HTTP method"),
+    "bad trusted proxy": ("trusted_proxies: [10.0.0.0/33]\n" + ROUTE, "trusted_proxies[0]: "),
+}
+
+
+@pytest.mark.parametrize(("text", "expected"), ERROR_CASES.values(), ids=ERROR_CASES.keys())
+def test_invalid_config_is_one_line_naming_file_path_and_expectation(text, expected):
+    message = error_of(text)
+    assert expected in message
+
+
+# --- reading the file ----------------------------------------------------------------
+
+
+def test_load_config_reads_a_file_and_uses_the_process_environment(tmp_path, monkeypatch):
+    path = tmp_path / "gw.yaml"
+    path.write_text("workers: ${GATEWAY_TEST_WORKERS}\nstore: {url: 'redis://h/0'}\n" + ROUTE)
+    monkeypatch.setenv("GATEWAY_TEST_WORKERS", "3")
+    config = load_config(str(path))
+    assert config.workers == 3
+    assert config.source == str(path)
+
+
+def test_load_config_missing_file(tmp_path):
+    path = tmp_path / "absent.yaml"
+    with pytest.raises(ConfigError, match=rf"^{path}: cannot read: No such file or directory$"):
+        load_config(str(path))
+
+
+def test_load_config_directory_and_binary_file(tmp_path):
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}: cannot read: "):
+        load_config(str(tmp_path))
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00routes")
+    with pytest.raises(ConfigError, match=r"cannot read: not UTF-8 text$"):
+        load_config(str(binary))
+
+
+def test_unsafe_yaml_tags_are_refused_not_constructed():
+    message = error_of("routes: !!python/object/apply:os.system ['true']\n")
+    assert "malformed YAML: line 1, column 9: could not determine a constructor for the tag" in message
+
+
+def test_parse_config_reads_only_the_environ_it_is_given(monkeypatch):
+    monkeypatch.setenv("GATEWAY_TEST_HOST", "r.internal")
+    message = error_of("store: {url: 'redis://${GATEWAY_TEST_HOST}/0'}\n" + ROUTE, {})
+    assert "GATEWAY_TEST_HOST is not set" in message
