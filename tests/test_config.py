@@ -181,6 +181,7 @@ def test_match_host_methods_strip_prefix_and_timeouts():
     assert route.match.path == "/v1"
     assert route.match.methods == frozenset({"GET", "POST"})
     assert route.match.host == "api.example.com"
+    assert parse(ONE_LIMIT + "routes:\n  - match: {path: /, host: api.example.com.}\n    upstream: http://h:1\n").routes[0].match.host == "api.example.com"
     assert route.upstream == "https://backend.internal:8443"
     assert route.strip_prefix and route.preserve_host
     assert (route.timeout.connect, route.timeout.read) == (0.25, 120)
@@ -377,6 +378,15 @@ ERROR_CASES = {
     "bad method": (
         "routes:\n  - match: {path: /, methods: ['GE T']}\n    upstream: http://h:1\n", "routes[0].match.methods[0]: expected an HTTP method"),
     "bad trusted proxy": ("trusted_proxies: [10.0.0.0/33]\n" + ROUTE, "trusted_proxies[0]: "),
+    "host with a port, which could never match": (
+        "routes:\n  - match: {path: /, host: 'api.example.com:8080'}\n    upstream: http://h:1\n",
+        "routes[0].match.host: expected a host name without a port"),
+    "tls_ca_file without TLS": (
+        "store: {url: 'redis://h/0', tls_ca_file: /etc/hostname}\n" + ROUTE,
+        "store.tls_ca_file: only applies to a rediss:// (TLS) store URL"),
+    "tls_ca_file missing": (
+        "store: {url: 'rediss://h/0', tls_ca_file: /nonexistent/ca.pem}\n" + ROUTE,
+        "store.tls_ca_file: no such file"),
 }
 
 

@@ -426,16 +426,24 @@ def tls_redis(tls_files):
 
 async def test_rediss_url_speaks_tls_and_verifies_the_server(tls_redis, tls_files, upstream, monkeypatch):
     server, tls_port = tls_redis
-    config = gateway_yaml(f"rediss://127.0.0.1:{tls_port}/0", upstream, ACL_LIMITS, "[per_client]")
-    # Untrusted certificate: the check fails, and this limit fails closed.
+    url = f"rediss://127.0.0.1:{tls_port}/0"
     monkeypatch.delenv("SSL_CERT_FILE", raising=False)
-    async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
-        async with http.get(gw.url + "/a", headers={"X-API-Key": "k"}) as response:
+    # Untrusted certificate: the check fails, and this limit fails closed.
+    async with running_gateway(gateway_yaml(url, upstream, ACL_LIMITS, "[per_client]")) as gw:
+        async with aiohttp.ClientSession() as http, http.get(gw.url + "/a", headers={"X-API-Key": "k"}) as response:
             assert response.status == 503
-    # Trusted through the default verify paths (SSL_CERT_FILE): the check runs over TLS.
-    monkeypatch.setenv("SSL_CERT_FILE", str(tls_files[0]))
-    async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
+    # Trusted through store.tls_ca_file: the check runs over TLS.
+    trusted = gateway_yaml(url, upstream, ACL_LIMITS, "[per_client]").replace(
+        "  timeout: 2s\n", f"  timeout: 2s\n  tls_ca_file: {tls_files[0]}\n"
+    )
+    async with running_gateway(trusted) as gw, aiohttp.ClientSession() as http:
         async with http.get(gw.url + "/a", headers={"X-API-Key": "k"}) as response:
             assert response.status == 200
             assert response.headers["RateLimit"] == '"per_client";r=49;t=86400'
+    # And through the system's default verify paths (SSL_CERT_FILE) without it.
+    monkeypatch.setenv("SSL_CERT_FILE", str(tls_files[0]))
+    async with running_gateway(gateway_yaml(url, upstream, ACL_LIMITS, "[per_client]")) as gw:
+        async with aiohttp.ClientSession() as http, http.get(gw.url + "/a", headers={"X-API-Key": "k"}) as response:
+            assert response.status == 200
+            assert response.headers["RateLimit"] == '"per_client";r=48;t=172800'
     assert len(bucket_keys(server.client())) == 1

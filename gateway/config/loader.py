@@ -46,6 +46,7 @@ STORE_SCHEMES = ("redis", "rediss", "unix")
 IDENTITY_KINDS = ("header", "query", "cookie")
 _INTERPOLATION_RE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _LIMIT_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_HOST_RE = re.compile(r"^(?:[a-z0-9](?:[a-z0-9\-]*[a-z0-9])?\.)*[a-z0-9](?:[a-z0-9\-]*[a-z0-9])?$|^\[[0-9a-f:.]+\]$")
 _HTTP_TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 
 
@@ -243,7 +244,10 @@ def _build(document: Any, r: _Reader) -> GatewayConfig:
 
 def _store(doc: Any, r: _Reader) -> StoreConfig:
     spec = r.mapping(
-        doc, "store", required=("url",), optional=("timeout", "prefix", "local_divisor", "max_connections", "key_secret")
+        doc,
+        "store",
+        required=("url",),
+        optional=("timeout", "prefix", "local_divisor", "max_connections", "key_secret", "tls_ca_file"),
     )
     url = r.string(spec["url"], "store.url")
     parts = urlsplit(url)
@@ -273,6 +277,13 @@ def _store(doc: Any, r: _Reader) -> StoreConfig:
     if "{" in prefix or "}" in prefix:
         r.fail("store.prefix", "must not contain { or }, which Redis Cluster reads as a hash tag")
     secret = spec.get("key_secret")
+    ca_file = spec.get("tls_ca_file")
+    if ca_file is not None:
+        ca_file = r.string(ca_file, "store.tls_ca_file")
+        if parts.scheme != "rediss":
+            r.fail("store.tls_ca_file", "only applies to a rediss:// (TLS) store URL")
+        if not os.path.isfile(ca_file):
+            r.fail("store.tls_ca_file", f"no such file: {ca_file!r}")
     return StoreConfig(
         url=url,
         timeout=r.parsed(parse_duration, spec.get("timeout", DEFAULT_STORE_TIMEOUT), "store.timeout"),
@@ -282,6 +293,7 @@ def _store(doc: Any, r: _Reader) -> StoreConfig:
             spec.get("max_connections", DEFAULT_STORE_MAX_CONNECTIONS), "store.max_connections", minimum=1
         ),
         key_secret=r.string(secret, "store.key_secret") if secret is not None else None,
+        tls_ca_file=ca_file,
     )
 
 
@@ -372,7 +384,9 @@ def _match(doc: Any, path: str, r: _Reader) -> Match:
             if not isinstance(method, str) or not _HTTP_TOKEN_RE.match(method):
                 r.fail(f"{path}.methods[{i}]", f"expected an HTTP method such as GET, got {method!r}")
         methods = frozenset(m.upper() for m in items)
-    host = r.string(spec["host"], f"{path}.host").lower() if "host" in spec else None
+    host = r.string(spec["host"], f"{path}.host").lower().rstrip(".") if "host" in spec else None
+    if host is not None and not _HOST_RE.match(host):
+        r.fail(f"{path}.host", f"expected a host name without a port, such as api.example.com, got {spec['host']!r}")
     return Match(path=prefix.rstrip("/") or "/", methods=methods, host=host)
 
 

@@ -91,6 +91,7 @@ class StoreConfig:
     local_divisor: int
     max_connections: int
     key_secret: str | None
+    tls_ca_file: str | None = None  # CA bundle to verify a rediss:// server; default: the system's
 
 
 @dataclass(frozen=True, kw_only=True)

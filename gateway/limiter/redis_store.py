@@ -63,8 +63,10 @@ class RedisStore:
         self._secret: bytes | None = config.key_secret.encode() if config.key_secret else None
         self._secret_read_at = 0.0
         self._secret_task: asyncio.Future[None] | None = None
+        tls = {"ssl_ca_certs": config.tls_ca_file} if config.tls_ca_file else {}
         pool = redis.BlockingConnectionPool.from_url(
             config.url,
+            **tls,
             max_connections=config.max_connections,
             # The whole check, pool wait included, is bounded by asyncio.timeout(store.timeout).
             timeout=None,
