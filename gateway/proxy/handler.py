@@ -15,6 +15,7 @@ import time
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 from yarl import URL
 
 from gateway.config.model import GatewayConfig, Route
@@ -144,7 +145,7 @@ class ProxyHandler:
         query = request.rel_url.raw_query_string
         return URL(route.upstream + raw_path + (f"?{query}" if query else ""), encoded=True)
 
-    def _forward_headers(self, request: web.Request, route: Route):
+    def _forward_headers(self, request: web.Request, route: Route) -> CIMultiDict[str]:
         headers = end_to_end(request.headers)
         original_host = request.headers.get("Host", "")
         if not route.preserve_host:
@@ -180,14 +181,18 @@ class ProxyHandler:
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     # The status line is gone; all that is left is to cut the connection.
                     log.warning("upstream %s failed mid-response: %s", route.upstream, exc or type(exc).__name__)
-                    request.transport and request.transport.close()
+                    if request.transport is not None:
+                        request.transport.close()
                     return response
                 await response.write_eof()
                 return response
         # Every response on a limited route carries the RateLimit fields, errors included.
         except asyncio.TimeoutError:
             return problem(
-                504, "Gateway Timeout", f"The upstream did not answer within {route.timeout.read:g} s.", headers=limit_headers
+                504,
+                "Gateway Timeout",
+                f"The upstream did not answer in time (connect {route.timeout.connect:g} s, read {route.timeout.read:g} s).",
+                headers=limit_headers,
             )
         except aiohttp.ClientConnectorError as exc:
             return problem(
