@@ -1,3 +1,5 @@
+"""Fixtures every test module may use: a real aiohttp upstream, a private redis-server, an HTTP client."""
+
 import aiohttp
 import pytest
 

@@ -128,6 +128,18 @@ async def test_local_limit_with_divisor_1_is_the_global_limit(redis_server, upst
         assert statuses == [200] * 10 + [429] * 2
 
 
+async def test_local_limit_burst_is_never_below_the_routes_cost(redis_server, upstream):
+    """burst 10 over local_divisor 8 leaves 1.25 tokens; a route costing 5 must still pass
+    once per local bucket, rather than never."""
+    config = gateway_yaml(redis_server.url, upstream, local_divisor=8).replace(
+        "routes:\n", f"routes:\n  - match: {{path: /heavy}}\n    upstream: {upstream}\n    limits: [{{name: nearby, cost: 5}}]\n", 1
+    )
+    async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
+        redis_server.stop()
+        statuses = [(await get(http, gw.url + "/heavy"))[0].status for _ in range(3)]
+        assert statuses == [200, 429, 429]
+
+
 async def test_metrics_show_each_decision_kind_once_it_happened(redis_server, upstream):
     async with running_gateway(gateway_yaml(redis_server.url, upstream)) as gw, aiohttp.ClientSession() as http:
 

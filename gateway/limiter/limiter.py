@@ -51,7 +51,7 @@ class Limiter:
         self.store = store
         self._local_divisor = local_divisor
         self._local_store = MemoryStore()
-        self._local_limits: dict[str, Limit] = {}
+        self._local_limits: dict[tuple[str, int], Limit] = {}
         self._last_failure_log = -FAILURE_LOG_INTERVAL
         self.store_error: str | None = None  # the last failure, until the store answers again
 
@@ -86,7 +86,7 @@ class Limiter:
             statuses = tuple(LimitStatus(c.limit, c.cost, None, _FAILURE_OUTCOME[c.limit.on_store_error]) for c in checks)
             return Decision(allowed=False, statuses=statuses, retry_after=1.0, store_failed=True)
         local = [
-            dataclasses.replace(c, limit=self._local_limit(c.limit))
+            dataclasses.replace(c, limit=self._local_limit(c.limit, c.cost))
             for c in checks
             if c.limit.on_store_error is FailurePolicy.LOCAL
         ]
@@ -106,15 +106,17 @@ class Limiter:
             allowed=allowed, statuses=statuses, retry_after=answer.retry_after if answer else 0.0, store_failed=False
         )
 
-    def _local_limit(self, limit: Limit) -> Limit:
-        """The conservative stand-in for `limit`: this instance's share of the fleet's limit."""
-        local = self._local_limits.get(limit.name)
+    def _local_limit(self, limit: Limit, cost: int) -> Limit:
+        """The conservative stand-in for `limit`: this instance's share of the fleet's limit.
+
+        Its burst is never below the request's cost (nor 1), or a burst split many
+        ways would never let such a request through."""
+        local = self._local_limits.get((limit.name, cost))
         if local is None:
             divisor = self._local_divisor
             rate = dataclasses.replace(limit.rate, tokens=limit.rate.tokens / divisor)
-            # At least one token, or a small burst split many ways would never let anything through.
-            local = dataclasses.replace(limit, rate=rate, burst=max(1.0, limit.burst / divisor))
-            self._local_limits[limit.name] = local
+            local = dataclasses.replace(limit, rate=rate, burst=max(1.0, float(cost), limit.burst / divisor))
+            self._local_limits[(limit.name, cost)] = local
         return local
 
     async def ready(self) -> tuple[bool, str]:
