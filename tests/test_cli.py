@@ -18,6 +18,7 @@ import pytest
 from aiohttp import web
 
 from gateway import __version__
+from tests.examples import ISSUE_EXAMPLE
 from tests.processes import GatewayProcess, free_port, run_cli, wait_until
 
 VENV_GATEWAY = Path(sys.executable).parent / "gateway"
@@ -79,29 +80,8 @@ def test_version_from_the_console_script_and_python_m():
 
 
 def test_check_prints_the_routes_and_limits_it_understood(tmp_path):
-    path = write(
-        tmp_path,
-        """\
-listen: 0.0.0.0:8080
-admin_listen: 127.0.0.1:9090
-workers: 1
-store:
-  url: redis://:hunter2@127.0.0.1:6379/0
-  timeout: 10ms
-  prefix: "rl:"
-trusted_proxies: [10.0.0.0/8]
-limits:
-  per_client: {rate: 100/minute, burst: 20, key: [header:X-API-Key, ip], on_store_error: open}
-  reports: {rate: 1/second, burst: 5, key: [header:X-API-Key], on_store_error: closed}
-routes:
-  - match: {path: /api/reports, methods: [POST]}
-    upstream: http://127.0.0.1:9000
-    limits: [per_client, {name: reports, cost: 2}]
-  - match: {path: /}
-    upstream: http://127.0.0.1:9000
-    limits: [per_client]
-""",
-    )
+    # The issue's example, with a password in the store URL that must not be printed.
+    path = write(tmp_path, ISSUE_EXAMPLE.replace("redis://127.0.0.1", "redis://:hunter2@127.0.0.1"))
     result = run_cli("check", "-c", path)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""

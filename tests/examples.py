@@ -1,0 +1,23 @@
+"""Config documents that several test modules check."""
+
+# The issue's example, exactly as written: config/gateway.yaml without the interpolation.
+ISSUE_EXAMPLE = """\
+listen: 0.0.0.0:8080
+admin_listen: 127.0.0.1:9090
+workers: 1
+store:
+  url: redis://127.0.0.1:6379/0
+  timeout: 10ms
+  prefix: "rl:"
+trusted_proxies: [10.0.0.0/8]
+limits:
+  per_client: {rate: 100/minute, burst: 20, key: [header:X-API-Key, ip], on_store_error: open}
+  reports: {rate: 1/second, burst: 5, key: [header:X-API-Key], on_store_error: closed}
+routes:
+  - match: {path: /api/reports, methods: [POST]}
+    upstream: http://127.0.0.1:9000
+    limits: [per_client, {name: reports, cost: 2}]
+  - match: {path: /}
+    upstream: http://127.0.0.1:9000
+    limits: [per_client]
+"""
