@@ -21,7 +21,7 @@ def admin_app(config: GatewayConfig, limiter: Limiter, metrics: Metrics) -> web.
         return web.json_response({"status": "alive"})
 
     async def readyz(_: web.Request) -> web.Response:
-        reachable, detail = await limiter.ready()
+        reachable, detail = await limiter.store_reachable()
         ready = reachable or serves_without_store
         body = {
             "ready": ready,

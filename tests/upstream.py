@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
-import json
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -138,6 +137,3 @@ async def running_upstream() -> AsyncIterator[str]:
     finally:
         await runner.cleanup()
 
-
-def decode(body: bytes) -> dict:
-    return json.loads(body)

@@ -53,7 +53,6 @@ class Limiter:
         self._local_store = MemoryStore()
         self._local_limits: dict[tuple[str, int], Limit] = {}
         self._last_failure_log = -FAILURE_LOG_INTERVAL
-        self.store_error: str | None = None  # the last failure, until the store answers again
 
     async def check(self, checks: Sequence[LimitCheck]) -> Decision:
         if not checks:
@@ -62,7 +61,6 @@ class Limiter:
             answer = await self.store.check(checks)
         except StoreError as exc:
             return self._on_store_error(checks, exc)
-        self.store_error = None
         statuses = tuple(
             LimitStatus(
                 limit=c.limit,
@@ -75,7 +73,6 @@ class Limiter:
         return Decision(allowed=answer.allowed, statuses=statuses, retry_after=answer.retry_after, store_failed=False)
 
     def _on_store_error(self, checks: Sequence[LimitCheck], exc: StoreError) -> Decision:
-        self.store_error = str(exc)
         now = time.monotonic()
         if now - self._last_failure_log >= FAILURE_LOG_INTERVAL:
             self._last_failure_log = now
@@ -119,12 +116,10 @@ class Limiter:
             self._local_limits[(limit.name, cost)] = local
         return local
 
-    async def ready(self) -> tuple[bool, str]:
-        """Whether to serve: the store answers, or every limit's policy lets us serve without it."""
+    async def store_reachable(self) -> tuple[bool, str]:
+        """Whether the store answers now, and if not, why."""
         try:
             await self.store.ping()
         except StoreError as exc:
-            self.store_error = str(exc)
             return False, str(exc)
-        self.store_error = None
         return True, "ok"
