@@ -75,7 +75,7 @@ async def test_four_gateways_let_exactly_the_burst_through_and_a_naive_client_do
     assert collections.Counter(g for g, _ in answers) == {g: REQUESTS // GATEWAYS for g in range(GATEWAYS)}
 
     pool = redis.asyncio.BlockingConnectionPool(port=redis_server.port, max_connections=8)
-    naive = redis.asyncio.Redis(connection_pool=pool)
+    naive = redis.asyncio.Redis.from_pool(pool)  # closing it closes the pool
     try:
         taken = await asyncio.gather(
             *(naive_take_one(naive, "naive:one-client", BURST, 1 / 86400) for _ in range(REQUESTS))
