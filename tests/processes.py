@@ -4,6 +4,8 @@ Redis on port 6379."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import re
 import shutil
@@ -35,6 +37,20 @@ def wait_until(predicate, *, deadline: float = START_DEADLINE, what: str) -> Non
         if predicate():
             return
         time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def eventually(predicate, *, what: str, deadline: float = START_DEADLINE) -> None:
+    """`wait_until` for async tests: polls without blocking the event loop, so an
+    in-process gateway or upstream keeps serving. `predicate` may be async."""
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        await asyncio.sleep(0.01)
     raise AssertionError(f"timed out waiting for {what}")
 
 

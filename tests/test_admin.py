@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway import __version__
 from gateway.metrics import KNOWN_METHODS, UNMATCHED_ROUTE
 from gateway.testing import running_gateway
-from tests.processes import RedisServer
+from tests.processes import RedisServer, eventually
 
 POLL_DEADLINE = 10.0
 
@@ -53,17 +53,6 @@ def value(samples: list, name: str, **labels: str) -> float:
     matching = [s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
     assert len(matching) == 1, f"{name} {labels}: {matching}"
     return matching[0]
-
-
-async def poll(predicate, what: str) -> None:
-    """Await `predicate()` until it is true; fail with `what` after POLL_DEADLINE."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + POLL_DEADLINE
-    while loop.time() < end:
-        if await predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def test_metrics_count_requests_decisions_and_latencies_by_route(upstream, client):
@@ -134,7 +123,7 @@ async def test_requests_in_flight_counts_a_request_until_it_finishes(upstream, c
             async def one_in_flight() -> bool:
                 return value((await scrape(client, gw.admin_url))[1], "gateway_requests_in_flight") == 1
 
-            await poll(one_in_flight, "one request in flight")
+            await eventually(one_in_flight, what="one request in flight", deadline=POLL_DEADLINE)
         finally:
             release.set()
         assert await task == {"received": len(b"first part, last part")}
@@ -180,7 +169,7 @@ routes:
                 async with client.get(gw.admin_url + "/readyz") as response:
                     return response.status == 200 and (await response.json())["ready"] is True
 
-            await poll(ready, "/readyz to answer 200 once redis-server is up")
+            await eventually(ready, what="/readyz to answer 200 once redis-server is up", deadline=POLL_DEADLINE)
             async with client.get(gw.url + "/echo") as response:
                 assert response.status == 200
     finally:

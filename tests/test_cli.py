@@ -19,7 +19,7 @@ from aiohttp import web
 
 from gateway import __version__
 from tests.examples import ISSUE_EXAMPLE
-from tests.processes import GatewayProcess, free_port, run_cli, wait_until
+from tests.processes import GatewayProcess, eventually, free_port, run_cli, wait_until
 
 VENV_GATEWAY = Path(sys.executable).parent / "gateway"
 DEADLINE = 15.0
@@ -36,16 +36,6 @@ def write(tmp_path: Path, text: str, name: str = "gw.yaml") -> str:
     path = tmp_path / name
     path.write_text(text)
     return str(path)
-
-
-async def eventually(predicate, *, what: str, deadline: float = DEADLINE) -> None:
-    """Poll an async predicate until it holds, or fail with `what`."""
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        if await predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def metric(client: aiohttp.ClientSession, admin_url: str, name: str) -> float:

@@ -5,7 +5,6 @@ real gateway in front of the real upstream."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 import subprocess
 import tempfile
@@ -22,7 +21,7 @@ from redis.crc import key_slot
 
 from gateway.limiter.keys import identity_digest
 from gateway.testing import running_gateway
-from tests.processes import RedisServer, free_port, wait_until
+from tests.processes import RedisServer, eventually, free_port, wait_until
 
 SECRET_KEY = "rl:identity-secret"
 
@@ -54,16 +53,6 @@ def bucket_tokens(client: redis.Redis, key: str) -> float | None:
 
 def bucket_keys(client: redis.Redis) -> set[str]:
     return {k for k in client.scan_iter(count=1000) if k != SECRET_KEY}
-
-
-async def eventually(predicate, *, deadline: float, what: str) -> None:
-    """Poll without blocking the event loop, so an in-process gateway keeps serving."""
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Monitor:
