@@ -46,6 +46,10 @@ class Decision:
     store_failed: bool  # denied because a fail-closed limit could not be checked
 
 
+# The decision for a request with no limits: nothing to ask the store.
+UNLIMITED = Decision(allowed=True, statuses=(), retry_after=0.0, store_failed=False)
+
+
 class Limiter:
     def __init__(self, store: Store, *, local_divisor: int = 1) -> None:
         self.store = store
@@ -56,7 +60,7 @@ class Limiter:
 
     async def check(self, checks: Sequence[LimitCheck]) -> Decision:
         if not checks:
-            return Decision(allowed=True, statuses=(), retry_after=0.0, store_failed=False)
+            return UNLIMITED
         try:
             answer = await self.store.check(checks)
         except StoreError as exc:

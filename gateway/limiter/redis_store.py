@@ -62,6 +62,7 @@ class RedisStore:
         self._sha: str | None = None
         self._secret: bytes | None = config.key_secret.encode() if config.key_secret else None
         self._secret_read_at = 0.0
+        self._args_cache: dict[tuple[str, int], tuple[str, str, str]] = {}
         self._secret_task: asyncio.Future[None] | None = None
         tls = {"ssl_ca_certs": config.tls_ca_file} if config.tls_ca_file else {}
         pool = redis.BlockingConnectionPool.from_url(
@@ -124,7 +125,7 @@ class RedisStore:
         assert self._secret is not None and self._sha is not None
         args: list[str] = []
         for c in checks:
-            args += [repr(float(c.limit.burst)), repr(c.limit.rate.per_second), str(c.cost)]
+            args += self._script_args(c)
         try:
             reply = await self._client.evalsha(self._sha, len(checks), *self._keys(checks), *args)
         except NoScriptError:
@@ -165,6 +166,15 @@ class RedisStore:
             log.debug("could not re-read the identity secret: %s", exc)
         finally:
             self._secret_task = None
+
+    def _script_args(self, check: LimitCheck) -> tuple[str, str, str]:
+        """ARGV for one bucket (capacity, rate per second, cost), formatted once per limit and cost."""
+        key = (check.limit.name, check.cost)
+        args = self._args_cache.get(key)
+        if args is None:
+            limit = check.limit
+            args = self._args_cache[key] = (repr(float(limit.burst)), repr(limit.rate.per_second), str(check.cost))
+        return args
 
     def _keys(self, checks: Sequence[LimitCheck]) -> list[str]:
         assert self._secret is not None

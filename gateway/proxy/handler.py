@@ -19,7 +19,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from gateway.config.model import GatewayConfig, Route
-from gateway.limiter.limiter import Decision, Limiter
+from gateway.limiter.limiter import UNLIMITED, Decision, Limiter
 from gateway.limiter.store import LimitCheck
 from gateway.metrics import UNMATCHED_ROUTE, Metrics, method_label
 from gateway.proxy.client_identity import ClientIdentity
@@ -104,6 +104,8 @@ class ProxyHandler:
         return await self._forward(request, route, limit_headers)
 
     async def _decide(self, request: web.Request, route: Route) -> Decision:
+        if not route.limits:
+            return UNLIMITED
         started = time.perf_counter()
         client_ip = self._identity.client_ip(request)
         checks = [
@@ -111,8 +113,7 @@ class ProxyHandler:
             for rl in route.limits
         ]
         decision = await self._limiter.check(checks)
-        if checks:
-            self._metrics.limiter_latency.observe(time.perf_counter() - started)
+        self._metrics.limiter_latency.observe(time.perf_counter() - started)
         for status in decision.statuses:
             self._metrics.decisions.labels(route=route.label, limit=status.limit.name, decision=status.outcome).inc()
         return decision
