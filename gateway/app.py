@@ -22,7 +22,11 @@ class Gateway:
         self.config = config
         self.metrics = Metrics(multiprocess=multiprocess_metrics)
         self.store = make_store(config.store)
-        self.limiter = Limiter(self.store, local_divisor=config.store.local_divisor if config.store else 1)
+        self.limiter = Limiter(
+            self.store,
+            local_divisor=config.store.local_divisor if config.store else 1,
+            denial_cache=config.store is not None,
+        )
         self.handler = ProxyHandler(config, self.limiter, self.metrics)
         # Every request goes to the proxy handler, whatever aiohttp's router makes of its
         # target (CONNECT's authority form, `*`), so each gets our 404 and is counted.

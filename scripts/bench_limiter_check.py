@@ -54,7 +54,7 @@ async def main(rounds: int, count: int) -> None:
     ]
     with RedisServer() as server:
         redis_store = RedisStore(
-            StoreConfig(url=server.url, timeout=1.0, prefix="bench:", local_divisor=1, max_connections=8, key_secret=None)
+            StoreConfig(url=server.url, timeout=1.0, prefix="bench:", local_divisor=1, max_pending=4096, key_secret=None)
         )
         await redis_store.start()
         limiters = {"memory": Limiter(MemoryStore()), "redis": Limiter(redis_store)}

@@ -171,12 +171,12 @@ def test_match_host_methods_strip_prefix_and_timeouts():
 def test_store_options_are_read():
     config = parse(
         "store:\n  url: rediss://user:pw@redis.internal:6380/3\n  timeout: 25ms\n  prefix: 'gw:'\n"
-        "  local_divisor: 4\n  max_connections: 8\n  key_secret: s3cret\nworkers: 3\n" + ROUTE
+        "  local_divisor: 4\n  max_pending: 8\n  key_secret: s3cret\nworkers: 3\n" + ROUTE
     )
     store = config.store
     assert store is not None
     assert (store.url, store.timeout, store.prefix) == ("rediss://user:pw@redis.internal:6380/3", 0.025, "gw:")
-    assert (store.local_divisor, store.max_connections, store.key_secret) == (4, 8, "s3cret")
+    assert (store.local_divisor, store.max_pending, store.key_secret) == (4, 8, "s3cret")
     assert config.workers == 3
 
 
@@ -232,19 +232,19 @@ def test_environment_wins_over_the_default():
 
 def test_whole_value_interpolation_takes_the_yaml_type():
     config = parse(
-        "workers: ${W:-2}\nstore:\n  url: redis://h/0\n  max_connections: ${MAXC}\n"
+        "workers: ${W:-2}\nstore:\n  url: redis://h/0\n  max_pending: ${MAXC}\n"
         "routes:\n  - match: {path: /}\n    upstream: http://h:1\n    strip_prefix: ${STRIP:-true}\n",
         {"MAXC": "16"},
     )
     assert config.workers == 2 and type(config.workers) is int
-    assert config.store is not None and config.store.max_connections == 16
+    assert config.store is not None and config.store.max_pending == 16
     assert config.routes[0].strip_prefix is True
 
 
 def test_quoted_whole_value_interpolation_in_flow_style_takes_the_yaml_type():
     # Unquoted, `${M}` inside `{...}` would be YAML syntax; quoted, it is still converted.
-    config = parse("store: {url: 'redis://h/0', max_connections: '${M}'}\n" + ROUTE, {"M": "4"})
-    assert config.store is not None and config.store.max_connections == 4
+    config = parse("store: {url: 'redis://h/0', max_pending: '${M}'}\n" + ROUTE, {"M": "4"})
+    assert config.store is not None and config.store.max_pending == 4
 
 
 def test_partial_interpolation_stays_a_string():
@@ -307,6 +307,9 @@ ERROR_CASES = {
         "routes[0].strip_prefix: expected true or false"),
     "bad rate": ("limits:\n  a: {rate: 100/fortnight}\n" + ROUTE, "limits.a.rate: expected a rate such as 100/minute"),
     "rate as a number": ("limits:\n  a: {rate: 100}\n" + ROUTE, "limits.a.rate: expected a rate"),
+    "store max_connections, replaced by pipelining": (
+        "store: {url: 'redis://h/0', max_connections: 8}\n" + ROUTE, "store.max_connections: no longer used"),
+    "store max_pending zero": ("store: {url: 'redis://h/0', max_pending: 0}\n" + ROUTE, "store.max_pending: expected"),
     "bad store timeout": ("store: {url: 'redis://h/0', timeout: 10}\n" + ROUTE, "store.timeout: expected a duration"),
     "bad route timeout": (
         "routes:\n  - match: {path: /}\n    upstream: http://h:1\n    timeout: {read: soon}\n",

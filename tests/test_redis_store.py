@@ -5,6 +5,8 @@ real gateway in front of the real upstream."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import re
 import subprocess
 import tempfile
@@ -16,7 +18,6 @@ import aiohttp
 import pytest
 import redis
 import redis.asyncio
-from redis._parsers.hiredis import _AsyncHiredisParser
 from redis.crc import key_slot
 
 from gateway.limiter.keys import identity_digest
@@ -199,19 +200,18 @@ async def test_one_script_call_per_request_even_across_identities(redis_server, 
     assert len(bucket_keys(client)) == 10 + 1 + 3
 
 
-async def test_client_is_redis_py_asyncio_with_hiredis_and_no_retries(redis_server, upstream):
+async def test_concurrent_requests_share_one_pipelined_connection(redis_server, upstream):
     config = gateway_yaml(redis_server.url, upstream, PER_CLIENT, "[per_client]")
     async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
-        async with http.get(gw.url + "/a", headers={"X-API-Key": "k"}) as response:
-            assert response.status == 200
-        redis_client = gw.gateway.store._client
-        assert isinstance(redis_client, redis.asyncio.Redis)
-        connections = list(redis_client.connection_pool._available_connections)
-        assert connections, "the check left no pooled connection to inspect"
-        for connection in connections:
-            assert isinstance(connection._parser, _AsyncHiredisParser)
-            assert connection.retry.get_retries() == 0
-            assert connection.retry_on_timeout is False
+
+        async def one(i: int) -> int:
+            async with http.get(gw.url + "/a", headers={"X-API-Key": f"k{i % 7}"}) as response:
+                return response.status
+
+        statuses = await asyncio.gather(*(one(i) for i in range(300)))
+        clients = [c for c in redis_server.client().client_list() if c["cmd"] != "client|list"]
+    assert collections.Counter(statuses) == {200: 300}
+    assert len(clients) == 1, clients
 
 
 async def test_bucket_ttl_is_the_full_refill_time(redis_server, upstream):

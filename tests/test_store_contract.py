@@ -61,7 +61,7 @@ async def store(request):
     with server.client() as client:
         client.flushall()
     config = StoreConfig(
-        url=server.url, timeout=1.0, prefix="rl:", local_divisor=1, max_connections=4, key_secret=None
+        url=server.url, timeout=1.0, prefix="rl:", local_divisor=1, max_pending=4096, key_secret=None
     )
     shared = RedisStore(config)
     await shared.start()

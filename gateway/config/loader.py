@@ -33,8 +33,10 @@ from gateway.config.units import parse_address, parse_duration, parse_rate
 # (~0.2 ms round trip) fifty times its usual latency before a request pays for it.
 DEFAULT_STORE_TIMEOUT = "10ms"
 DEFAULT_STORE_PREFIX = "rl:"
-# Connections per gateway process; a burst beyond this waits inside store.timeout.
-DEFAULT_STORE_MAX_CONNECTIONS = 32
+# Store commands queued or awaiting a reply, per gateway process: ~40 times what a
+# healthy Redis has in flight at 10k checks/s. Past it, checks fail at once as store
+# errors, so a Redis that stopped answering costs requests nothing.
+DEFAULT_STORE_MAX_PENDING = 4096
 DEFAULT_LISTEN = "0.0.0.0:8080"
 DEFAULT_ADMIN_LISTEN = "127.0.0.1:9090"
 # Long enough for ordinary API calls to finish, short enough for an orchestrator's
@@ -247,8 +249,14 @@ def _store(doc: Any, r: _Reader) -> StoreConfig:
         doc,
         "store",
         required=("url",),
-        optional=("timeout", "prefix", "local_divisor", "max_connections", "key_secret", "tls_ca_file"),
+        optional=("timeout", "prefix", "local_divisor", "max_pending", "max_connections", "key_secret", "tls_ca_file"),
     )
+    if "max_connections" in spec:
+        r.fail(
+            "store.max_connections",
+            "no longer used: each gateway process pipelines every check over one connection per Redis node; "
+            "store.max_pending bounds the commands waiting on it",
+        )
     url = r.string(spec["url"], "store.url")
     parts = urlsplit(url)
     if parts.scheme not in STORE_SCHEMES:
@@ -289,9 +297,7 @@ def _store(doc: Any, r: _Reader) -> StoreConfig:
         timeout=r.parsed(parse_duration, spec.get("timeout", DEFAULT_STORE_TIMEOUT), "store.timeout"),
         prefix=prefix,
         local_divisor=r.integer(spec.get("local_divisor", 1), "store.local_divisor", minimum=1),
-        max_connections=r.integer(
-            spec.get("max_connections", DEFAULT_STORE_MAX_CONNECTIONS), "store.max_connections", minimum=1
-        ),
+        max_pending=r.integer(spec.get("max_pending", DEFAULT_STORE_MAX_PENDING), "store.max_pending", minimum=1),
         key_secret=r.string(secret, "store.key_secret") if secret is not None else None,
         tls_ca_file=ca_file,
     )

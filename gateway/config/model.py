@@ -89,7 +89,7 @@ class StoreConfig:
     timeout: float
     prefix: str
     local_divisor: int
-    max_connections: int
+    max_pending: int  # commands queued or awaiting Redis, per gateway process
     key_secret: str | None
     tls_ca_file: str | None = None  # CA bundle to verify a rediss:// server; default: the system's
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.config.model import FailurePolicy, Limit
+from gateway.limiter.denial_cache import DenialCache
 from gateway.limiter.memory_store import MemoryStore
 from gateway.limiter.store import LimitCheck, Store, StoreError
 
@@ -34,7 +35,7 @@ _FAILURE_OUTCOME = {FailurePolicy.OPEN: FAIL_OPEN, FailurePolicy.CLOSED: FAIL_CL
 class LimitStatus:
     limit: Limit
     cost: int
-    remaining: float | None  # None when unknown: the store failed and the limit failed open
+    remaining: float | None  # None when unknown: the store failed open, or a cached denial answered
     outcome: str  # allow | deny | skipped | fail_open | fail_closed | fail_local
 
 
@@ -51,8 +52,12 @@ UNLIMITED = Decision(allowed=True, statuses=(), retry_after=0.0, store_failed=Fa
 
 
 class Limiter:
-    def __init__(self, store: Store, *, local_divisor: int = 1) -> None:
+    """`denial_cache` answers denials locally until they could end (`gateway.limiter.denial_cache`);
+    it is exact for a store whose clock runs at real time, as Redis's does."""
+
+    def __init__(self, store: Store, *, local_divisor: int = 1, denial_cache: bool = False) -> None:
         self.store = store
+        self.denials = DenialCache() if denial_cache else None
         self._local_divisor = local_divisor
         self._local_store = MemoryStore()
         self._local_limits: dict[tuple[str, int], Limit] = {}
@@ -61,10 +66,20 @@ class Limiter:
     async def check(self, checks: Sequence[LimitCheck]) -> Decision:
         if not checks:
             return UNLIMITED
+        denials = self.denials
+        if denials is not None:
+            sent_at = time.monotonic()
+            cached = denials.lookup(checks, sent_at)
+            if cached is not None:
+                return _cached_denial(checks, cached.index, cached.remaining, cached.retry_after)
         try:
             answer = await self.store.check(checks)
         except StoreError as exc:
             return self._on_store_error(checks, exc)
+        if denials is not None and not answer.allowed:
+            for c, left in zip(checks, answer.remaining):
+                if left < c.cost:
+                    denials.record(c, remaining=left, sent_at=sent_at)
         statuses = tuple(
             LimitStatus(
                 limit=c.limit,
@@ -127,3 +142,12 @@ class Limiter:
         except StoreError as exc:
             return False, str(exc)
         return True, "ok"
+
+
+def _cached_denial(checks: Sequence[LimitCheck], index: int, remaining: float, retry_after: float) -> Decision:
+    """A denial answered from the cache: the covered limit is denied; the others went unasked."""
+    statuses = tuple(
+        LimitStatus(c.limit, c.cost, remaining, DENY) if i == index else LimitStatus(c.limit, c.cost, None, SKIPPED)
+        for i, c in enumerate(checks)
+    )
+    return Decision(allowed=False, statuses=statuses, retry_after=retry_after, store_failed=False)

@@ -1,0 +1,92 @@
+"""An exact negative cache: answer a denied client locally until it could pass.
+
+When the shared store denies a bucket because it holds fewer tokens than the
+cost, no request of that cost on that bucket can pass before the missing
+tokens have refilled: tokens only refill at the limit's rate, and other
+gateways can only take tokens away. So until then a denial can be answered
+without asking the store, and a client flooding far over its limit costs the
+store almost nothing.
+
+Two details keep it exact:
+- A denial is keyed by bucket and cost: a smaller cost on the same bucket may
+  pass sooner.
+- Its clock starts when the check was sent, which is before the store ran it,
+  so the round trip never extends it. It is also shortened by a margin for
+  clock-rate differences between hosts and the rounding of the store's reply.
+
+No I/O and no clock of its own: times are passed in. Bounded: past
+`max_entries` the oldest denial is forgotten, which only costs a store call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.config.model import Limit
+from gateway.limiter.store import LimitCheck
+
+# Enough for every client flooding one gateway at once; ~200 bytes each.
+DEFAULT_MAX_ENTRIES = 65_536
+# NTP keeps clocks within 500 ppm of each other even while slewing; a cached
+# denial gives up a thousandth of its length, and a millisecond for rounding.
+CLOCK_RATE_MARGIN = 1e-3
+ROUNDING_MARGIN = 0.001
+
+
+def denied_until(*, sent_at: float, remaining: float, limit: Limit, cost: int) -> float:
+    """The earliest moment a request of `cost` could pass a bucket that held `remaining`
+    tokens when a check sent at `sent_at` found it short, less the safety margins."""
+    wait = (cost - remaining) / limit.rate.per_second
+    return sent_at + wait * (1 - CLOCK_RATE_MARGIN) - ROUNDING_MARGIN
+
+
+@dataclass(frozen=True, slots=True)
+class CachedDenial:
+    index: int  # which of the request's checks is denied
+    remaining: float  # that bucket's tokens now, as refilled since the denial
+    retry_after: float  # seconds until the cached denial ends
+
+
+class DenialCache:
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+        self._max_entries = max_entries
+        # (limit name, identity, cost) -> (limit, until, remaining, sent_at). The limit
+        # object itself is kept so that one replaced by a reload never matches.
+        self._entries: dict[tuple[str, str, int], tuple[Limit, float, float, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, checks: Sequence[LimitCheck], now: float) -> CachedDenial | None:
+        """A cached denial covering one of `checks`, if any."""
+        entries = self._entries
+        if not entries:
+            return None
+        for index, check in enumerate(checks):
+            limit, cost = check.limit, check.cost
+            key = (limit.name, check.identity, cost)
+            entry = entries.get(key)
+            if entry is None:
+                continue
+            cached_limit, until, remaining, sent_at = entry
+            if cached_limit is not limit or until <= now:
+                del entries[key]
+                continue
+            # Below `cost` until `until`, which the margins place before it could pay.
+            refilled = remaining + (now - sent_at) * limit.rate.per_second
+            return CachedDenial(index=index, remaining=refilled, retry_after=until - now)
+        return None
+
+    def record(self, check: LimitCheck, *, remaining: float, sent_at: float) -> None:
+        """Remember that the store found this bucket short of its cost for a check sent at `sent_at`."""
+        limit = check.limit
+        until = denied_until(sent_at=sent_at, remaining=remaining, limit=limit, cost=check.cost)
+        if until <= sent_at:
+            return
+        key = (limit.name, check.identity, check.cost)
+        entries = self._entries
+        entries.pop(key, None)  # re-inserted last: the dict's order is the eviction order
+        if len(entries) >= self._max_entries:
+            del entries[next(iter(entries))]
+        entries[key] = (limit, until, remaining, sent_at)
