@@ -25,7 +25,7 @@ class Gateway:
         self.limiter = Limiter(
             self.store,
             local_divisor=config.store.local_divisor if config.store else 1,
-            denial_cache=config.store is not None,
+            shared_store=config.store is not None,
         )
         self.handler = ProxyHandler(config, self.limiter, self.metrics)
         # Every request goes to the proxy handler, whatever aiohttp's router makes of its

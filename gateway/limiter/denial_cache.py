@@ -1,13 +1,15 @@
 """An exact negative cache: answer a denied client locally until it could pass.
 
-When the shared store denies a bucket because it holds fewer tokens than the
-cost, no request of that cost on that bucket can pass before the missing
-tokens have refilled: tokens only refill at the limit's rate, and other
-gateways can only take tokens away. So until then a denial can be answered
+When the shared store reports a bucket holding fewer tokens than the cost
+(found short and denied, or left short by the charge it just allowed), no
+request of that cost on that bucket can pass before the missing tokens have
+refilled: tokens only refill at the limit's rate, other gateways can only take
+tokens away, and a bucket expires only once it would be full anyway. So until then a denial can be answered
 without asking the store, and a client flooding far over its limit costs the
 store almost nothing.
 
-Two details keep it exact:
+Exact as long as nobody deletes a bucket behind the gateway's back and the
+store's clock is not stepped forward. Two details keep it exact:
 - A denial is keyed by bucket and cost: a smaller cost on the same bucket may
   pass sooner.
 - Its clock starts when the check was sent, which is before the store ran it,

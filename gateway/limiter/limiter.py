@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.config.model import FailurePolicy, Limit
-from gateway.limiter.denial_cache import DenialCache
+from gateway.limiter.client_waves import ClientWaves
+from gateway.limiter.denial_cache import CachedDenial, DenialCache
 from gateway.limiter.memory_store import MemoryStore
-from gateway.limiter.store import LimitCheck, Store, StoreError
+from gateway.limiter.store import LimitCheck, Store, StoreDecision, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +53,15 @@ UNLIMITED = Decision(allowed=True, statuses=(), retry_after=0.0, store_failed=Fa
 
 
 class Limiter:
-    """`denial_cache` answers denials locally until they could end (`gateway.limiter.denial_cache`);
-    it is exact for a store whose clock runs at real time, as Redis's does."""
+    """`shared_store`: the store is shared with other gateways over the network (Redis).
+    Then a bucket found short of its cost is answered locally until it could pay
+    (`gateway.limiter.denial_cache`), and one client's concurrent checks reach the
+    store in waves (`gateway.limiter.client_waves`). Both are exact."""
 
-    def __init__(self, store: Store, *, local_divisor: int = 1, denial_cache: bool = False) -> None:
+    def __init__(self, store: Store, *, local_divisor: int = 1, shared_store: bool = False) -> None:
         self.store = store
-        self.denials = DenialCache() if denial_cache else None
+        self.denials = DenialCache() if shared_store else None
+        self._waves = ClientWaves()
         self._local_divisor = local_divisor
         self._local_store = MemoryStore()
         self._local_limits: dict[tuple[str, int], Limit] = {}
@@ -66,30 +70,42 @@ class Limiter:
     async def check(self, checks: Sequence[LimitCheck]) -> Decision:
         if not checks:
             return UNLIMITED
-        denials = self.denials
-        if denials is not None:
-            sent_at = time.monotonic()
-            cached = denials.lookup(checks, sent_at)
-            if cached is not None:
-                return _cached_denial(checks, cached.index, cached.remaining, cached.retry_after)
+        if self.denials is not None:
+            return await self._check_shared(checks, self.denials)
         try:
             answer = await self.store.check(checks)
         except StoreError as exc:
             return self._on_store_error(checks, exc)
-        if denials is not None and not answer.allowed:
+        return _decision(checks, answer)
+
+    async def _check_shared(self, checks: Sequence[LimitCheck], denials: DenialCache) -> Decision:
+        cached = denials.lookup(checks, time.monotonic())
+        if cached is not None:
+            return _cached_denial(checks, cached)
+        signature = tuple((c.limit.name, c.identity, c.cost) for c in checks)
+        try:
+            wave = await self._waves.join(signature)
+        except StoreError as exc:  # the wave this one waited for failed
+            return self._on_store_error(checks, exc)
+        error = None
+        try:
+            if wave.after is not None:  # the wave waited for may have emptied the bucket
+                cached = denials.lookup(checks, time.monotonic())
+                if cached is not None:
+                    return _cached_denial(checks, cached)
+            sent_at = time.monotonic()
+            answer = await self.store.check(checks)
+            # Allowed or not, a bucket left short of its cost cannot pass until it refills.
             for c, left in zip(checks, answer.remaining):
                 if left < c.cost:
                     denials.record(c, remaining=left, sent_at=sent_at)
-        statuses = tuple(
-            LimitStatus(
-                limit=c.limit,
-                cost=c.cost,
-                remaining=left,
-                outcome=ALLOW if answer.allowed else (DENY if left < c.cost else SKIPPED),
-            )
-            for c, left in zip(checks, answer.remaining)
-        )
-        return Decision(allowed=answer.allowed, statuses=statuses, retry_after=answer.retry_after, store_failed=False)
+        except StoreError as exc:
+            error = exc
+            return self._on_store_error(checks, exc)
+        finally:
+            # After recording: the next wave wakes to a cache that knows this answer.
+            self._waves.leave(signature, wave, error)
+        return _decision(checks, answer)
 
     def _on_store_error(self, checks: Sequence[LimitCheck], exc: StoreError) -> Decision:
         now = time.monotonic()
@@ -144,10 +160,23 @@ class Limiter:
         return True, "ok"
 
 
-def _cached_denial(checks: Sequence[LimitCheck], index: int, remaining: float, retry_after: float) -> Decision:
+def _decision(checks: Sequence[LimitCheck], answer: StoreDecision) -> Decision:
+    statuses = tuple(
+        LimitStatus(
+            limit=c.limit,
+            cost=c.cost,
+            remaining=left,
+            outcome=ALLOW if answer.allowed else (DENY if left < c.cost else SKIPPED),
+        )
+        for c, left in zip(checks, answer.remaining)
+    )
+    return Decision(allowed=answer.allowed, statuses=statuses, retry_after=answer.retry_after, store_failed=False)
+
+
+def _cached_denial(checks: Sequence[LimitCheck], cached: CachedDenial) -> Decision:
     """A denial answered from the cache: the covered limit is denied; the others went unasked."""
     statuses = tuple(
-        LimitStatus(c.limit, c.cost, remaining, DENY) if i == index else LimitStatus(c.limit, c.cost, None, SKIPPED)
+        LimitStatus(c.limit, c.cost, cached.remaining, DENY) if i == cached.index else LimitStatus(c.limit, c.cost, None, SKIPPED)
         for i, c in enumerate(checks)
     )
-    return Decision(allowed=False, statuses=statuses, retry_after=retry_after, store_failed=False)
+    return Decision(allowed=False, statuses=statuses, retry_after=cached.retry_after, store_failed=False)

@@ -28,6 +28,7 @@ import heapq
 import itertools
 import logging
 import ssl
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -213,7 +214,9 @@ class RedisConnection:
         if self._unsent:  # the rest goes in the next iteration
             self._flush_handle = loop.call_soon(self._flush)
         transport.write(b"".join(batch))
-        now = loop.time()
+        # The real time, not loop.time(): uvloop's is cached at the start of the
+        # iteration, and a long iteration would count against Redis.
+        now = time.monotonic()
         for command in commands:
             command.written_at = now
             command.deadline = now + command.timeout
@@ -253,14 +256,18 @@ class RedisConnection:
         while deadlines and deadlines[0][2].future.done():
             heapq.heappop(deadlines)
         if deadlines:
-            self._deadline_handle = asyncio.get_running_loop().call_at(deadlines[0][0], self._deadline_passed)
+            delay = max(0.0, deadlines[0][0] - time.monotonic())
+            self._deadline_handle = asyncio.get_running_loop().call_later(delay, self._deadline_passed)
         else:
             self._deadline_handle = None
 
     def _deadline_passed(self) -> None:
-        loop = asyncio.get_running_loop()
-        cutoff = loop.time()
-        self._deadline_handle = loop.call_later(RECHECK_DELAY, self._expire, cutoff)
+        now = time.monotonic()
+        deadlines = self._deadlines
+        if deadlines and deadlines[0][0] > now:  # the loop's timer ran early
+            self._arm_deadline()
+            return
+        self._deadline_handle = asyncio.get_running_loop().call_later(RECHECK_DELAY, self._expire, now)
 
     def _expire(self, cutoff: float) -> None:
         """Fail what is still unanswered after the poll that followed its deadline."""
@@ -277,7 +284,7 @@ class RedisConnection:
     def _drop_if_stale(self) -> None:
         if self._waiting and self._transport is not None:
             oldest = self._waiting[0]
-            if asyncio.get_running_loop().time() - oldest.written_at > STALE_REPLY_SECONDS:
+            if time.monotonic() - oldest.written_at > STALE_REPLY_SECONDS:
                 self._lose(f"no reply for {STALE_REPLY_SECONDS:g} s")
 
     # -- connection lifecycle --------------------------------------------------
