@@ -12,9 +12,9 @@ import logging
 import time
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.testing import running_gateway
+from tests.metrics_reading import decisions
 
 
 def gateway_yaml(store_url: str, upstream: str, *, local_divisor: int = 1, with_closed: bool = True) -> str:
@@ -64,18 +64,6 @@ routes:
 async def get(http: aiohttp.ClientSession, url: str, key: str = "k") -> tuple[aiohttp.ClientResponse, bytes]:
     async with http.get(url, headers={"X-API-Key": key}) as response:
         return response, await response.read()
-
-
-async def decisions(http: aiohttp.ClientSession, admin_url: str) -> dict[tuple[str, str], float]:
-    """gateway_limiter_decisions_total by (limit, decision), from /metrics."""
-    async with http.get(admin_url + "/metrics") as response:
-        text = await response.text()
-    counts: dict[tuple[str, str], float] = collections.defaultdict(float)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "gateway_limiter_decisions_total":
-                counts[sample.labels["limit"], sample.labels["decision"]] += sample.value
-    return counts
 
 
 async def test_open_limit_allows_while_the_store_is_down(redis_server, upstream):
@@ -194,8 +182,9 @@ async def test_readyz_reports_the_store_state(redis_server, upstream):
             assert body["detail"]
         redis_server.start()
         async with http.get(gw.admin_url + "/readyz") as response:
-            assert response.status == 200
-            assert (await response.json())["store_state"] == "ok"
+            body = await response.json()
+            assert response.status == 200, body
+            assert body["store_state"] == "ok"
 
 
 async def test_readyz_stays_ready_when_every_limit_can_serve_without_the_store(redis_server, upstream):

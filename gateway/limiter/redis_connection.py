@@ -152,7 +152,7 @@ class RedisConnection:
         self._deadline_handle: asyncio.TimerHandle | None = None
         self._reconnecting: asyncio.Task[None] | None = None
         self._last_error = "not connected yet"
-        self._opening = False  # an attempt to connect is under way
+        self._opening: asyncio.Future[None] | None = None  # the attempt to connect under way
         self._closed = False
 
     @property
@@ -168,8 +168,11 @@ class RedisConnection:
         """Connect now. On failure raise StoreError, and keep reconnecting in the background."""
         if self._transport is not None:
             return
-        if self._opening:
-            raise StoreError(f"redis {self.address}: {self._last_error}")
+        if self._opening is not None:  # an attempt is under way: its outcome is ours
+            await asyncio.shield(self._opening)
+            if self._transport is None:
+                raise StoreError(f"redis {self.address}: {self._last_error}")
+            return
         try:
             await self._open()
         except StoreError:
@@ -290,11 +293,12 @@ class RedisConnection:
     # -- connection lifecycle --------------------------------------------------
 
     async def _open(self) -> None:
-        self._opening = True
+        self._opening = asyncio.get_running_loop().create_future()
         try:
             await self._open_once()
         finally:
-            self._opening = False
+            self._opening.set_result(None)
+            self._opening = None
 
     async def _open_once(self) -> None:
         loop = asyncio.get_running_loop()
@@ -386,7 +390,7 @@ class RedisConnection:
         delay = RECONNECT_BACKOFF_FIRST
         while not self._closed and self._transport is None:
             try:
-                if not self._opening:  # else `connect` is trying right now
+                if self._opening is None:  # else `connect` is trying right now
                     await self._open()
             except StoreError as exc:
                 log.debug("reconnect failed: %s", exc)

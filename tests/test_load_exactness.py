@@ -1,0 +1,99 @@
+"""The limit holds under load: exact counts with wrk's concurrency, at the default
+store.timeout (10 ms) and with the limit failing open, so that any check the
+gateway fails to get answered in time would show as an extra allowed request.
+
+These tests assert counts, never speed: the benchmark (`python -m tests.bench`)
+measures speed."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.metrics_reading import settled_decisions
+from tests.processes import GatewayProcess
+
+WRK = shutil.which("wrk") or "/usr/bin/wrk"
+# Long enough for every connection to make many requests after the first answer.
+WRK_SECONDS = 2
+
+FLOOD_CONFIG = """
+listen: 127.0.0.1:0
+admin_listen: 127.0.0.1:0
+store:
+  url: {url}
+limits:
+  {name}:
+    rate: {rate}
+    burst: {burst}
+    key: header:X-API-Key
+    on_store_error: open
+routes:
+  - match: {{path: /}}
+    upstream: {upstream}
+    limits: [{name}]
+"""
+
+# wrk sends each request with one of 10,000 API keys.
+MANY_KEYS_SCRIPT = """
+local n = 0
+request = function()
+  n = n + 1
+  return wrk.format(nil, nil, {["X-API-Key"] = "client-" .. (n % 10000)})
+end
+"""
+
+
+async def wrk(url: str, connections: int, *args: str) -> tuple[int, int]:
+    """Run wrk against `url`; (responses, of which 2xx)."""
+    process = await asyncio.create_subprocess_exec(
+        WRK, "-t1", f"-c{connections}", f"-d{WRK_SECONDS}s", "--timeout", "5s", *args, url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    output = (await process.communicate())[0].decode()
+    assert process.returncode == 0, output
+    total = int(re.search(r"(\d+) requests in", output).group(1))
+    non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", output)
+    return total, total - (int(non_2xx.group(1)) if non_2xx else 0)
+
+
+@pytest.mark.parametrize("connections", [50, 200, 1000])
+async def test_one_key_flooded_by_wrk_gets_exactly_the_burst_through(redis_server, upstream, connections):
+    config = FLOOD_CONFIG.format(url=redis_server.url, upstream=upstream, name="flood", rate="1/hour", burst=1)
+    with GatewayProcess(config) as gateway:
+        total, passed = await wrk(gateway.url + "/", connections, "-H", "X-API-Key: flooding-client")
+        async with aiohttp.ClientSession() as http:
+            counts = await settled_decisions(http, gateway.admin_url)
+    assert total > connections, f"wrk made only {total} requests"
+    assert passed == 1, f"{passed} of {total} requests passed a burst of 1"
+    assert counts["flood", "allow"] == 1
+    assert counts["flood", "fail_open"] == 0
+    # wrk does not count the responses in flight when it stops.
+    assert total - 1 <= counts["flood", "deny"] + counts["flood", "skipped"] <= total + connections
+    store_calls = redis_server.client().info("commandstats")["cmdstat_evalsha"]["calls"]
+    assert store_calls <= 0.05 * total, f"{store_calls} store calls for {total} requests"
+
+
+async def test_ten_thousand_clients_under_load_are_each_decided_by_redis(redis_server, upstream):
+    """Every check goes to Redis here (nobody is denied), so a check that waited for the
+    gateway's own busy event loop rather than for Redis would show as fail_open."""
+    config = FLOOD_CONFIG.format(
+        url=redis_server.url, upstream=upstream, name="fair", rate="1000000/hour", burst=1000000
+    )
+    with tempfile.TemporaryDirectory(prefix="gateway-test-wrk-") as directory:
+        script = Path(directory) / "keys.lua"
+        script.write_text(MANY_KEYS_SCRIPT)
+        with GatewayProcess(config) as gateway:
+            total, passed = await wrk(gateway.url + "/", 200, "-s", str(script))
+            async with aiohttp.ClientSession() as http:
+                counts = await settled_decisions(http, gateway.admin_url)
+    assert counts["fair", "fail_open"] == 0
+    assert total <= counts["fair", "allow"] <= total + 200
+    assert passed == total
+    assert len(redis_server.client().keys("rl:fair:*")) == min(counts["fair", "allow"], 10_000)
