@@ -1,0 +1,183 @@
+"""The denial cache and client waves: exact by construction, and shown to be.
+
+The pure parts run on their own; then three limiters, each with its own
+connection and cache, share one real Redis under random traffic, and every
+time a cache would answer a request, Redis is asked (without charging) whether
+it would have allowed it. It never would have."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from gateway.config.model import Limit, StoreConfig
+from gateway.limiter import denial_cache
+from gateway.limiter.client_waves import ClientWaves
+from gateway.limiter.denial_cache import DenialCache, denied_until
+from gateway.limiter.keys import bucket_key, identity_digest
+from gateway.limiter.limiter import Limiter
+from gateway.limiter.redis_store import SECRET_KEY_SUFFIX, RedisStore
+from gateway.limiter.store import LimitCheck, StoreError
+from gateway.testing import config_from_yaml
+
+
+def limit(rate: str = "10/second", burst: int = 5, name: str = "per_client") -> Limit:
+    config = config_from_yaml(
+        f"limits:\n  {name}: {{rate: {rate}, burst: {burst}, key: header:X-API-Key}}\n"
+        f"routes:\n  - match: {{path: /}}\n    upstream: http://127.0.0.1:1\n    limits: [{name}]\n"
+    )
+    return config.limits[0]
+
+
+def test_a_denial_lasts_until_the_missing_tokens_refill_less_the_margins():
+    per_client = limit(rate="10/second")
+    until = denied_until(sent_at=100.0, remaining=0.5, limit=per_client, cost=2)
+    exact = 100.0 + 1.5 / 10
+    assert exact - 0.002 < until < exact
+    assert until == pytest.approx(exact * 1 - 0.15 * denial_cache.CLOCK_RATE_MARGIN - denial_cache.ROUNDING_MARGIN)
+
+
+def test_a_denial_covers_its_bucket_and_cost_until_it_ends():
+    cache = DenialCache()
+    per_client = limit(rate="10/second")
+    cache.record(LimitCheck(per_client, "k", 2), remaining=0.5, sent_at=100.0)
+    assert cache.lookup([LimitCheck(per_client, "k", 2)], 100.1).index == 0
+    # Another cost or another client is not covered: a cost of 1 could pass right now.
+    assert cache.lookup([LimitCheck(per_client, "k", 1)], 100.1) is None
+    assert cache.lookup([LimitCheck(per_client, "other", 2)], 100.1) is None
+    # A request of several limits is covered when one of them is.
+    other = limit(name="other")
+    hit = cache.lookup([LimitCheck(other, "k", 1), LimitCheck(per_client, "k", 2)], 100.1)
+    assert hit is not None and hit.index == 1
+    assert hit.remaining == pytest.approx(1.5) and hit.retry_after == pytest.approx(0.05, abs=0.002)
+    # Past the refill, it is gone.
+    assert cache.lookup([LimitCheck(per_client, "k", 2)], 100.15) is None
+    assert len(cache) == 0
+
+
+def test_a_limit_replaced_by_a_reload_never_matches_an_old_denial():
+    cache = DenialCache()
+    before = limit(rate="1/hour")
+    cache.record(LimitCheck(before, "k", 1), remaining=0, sent_at=0.0)
+    after = limit(rate="1/second")  # same name, new settings
+    assert cache.lookup([LimitCheck(after, "k", 1)], 1.0) is None
+    assert cache.lookup([LimitCheck(before, "k", 1)], 1.0) is None  # and the stale entry is dropped
+    assert len(cache) == 0
+
+
+def test_memory_is_bounded_by_forgetting_the_oldest_denial():
+    cache = DenialCache(max_entries=100)
+    per_client = limit(rate="1/hour")
+    for i in range(1000):
+        cache.record(LimitCheck(per_client, f"client-{i}", 1), remaining=0, sent_at=0.0)
+    assert len(cache) == 100
+    assert cache.lookup([LimitCheck(per_client, "client-999", 1)], 1.0) is not None
+    assert cache.lookup([LimitCheck(per_client, "client-0", 1)], 1.0) is None
+
+
+async def test_waves_send_concurrent_checks_of_one_client_once_per_round_trip():
+    waves = ClientWaves()
+    sent: list[list[int]] = []
+    current: list[int] = []
+    answer = asyncio.Event()
+
+    async def check(i: int) -> None:
+        wave = await waves.join("client")
+        current.append(i)
+        try:
+            await answer.wait()
+        finally:
+            waves.leave("client", wave)
+
+    first = asyncio.ensure_future(check(0))
+    await asyncio.sleep(0)
+    rest = [asyncio.ensure_future(check(i)) for i in range(1, 6)]
+    await asyncio.sleep(0)
+    assert current == [0], "the others must wait for the wave in flight"
+    sent.append(current[:])
+    current.clear()
+    answer.set()
+    await first
+    await asyncio.gather(*rest)
+    assert sorted(current) == [1, 2, 3, 4, 5]  # all five went as one wave
+    assert len(waves) == 0
+
+
+async def test_a_failed_wave_fails_the_wave_behind_it_at_once():
+    waves = ClientWaves()
+    release = asyncio.Event()
+
+    async def failing() -> None:
+        wave = await waves.join("client")
+        await release.wait()
+        waves.leave("client", wave, StoreError("redis: no answer within 10 ms"))
+
+    first = asyncio.ensure_future(failing())
+    await asyncio.sleep(0)
+    waiting = asyncio.ensure_future(waves.join("client"))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    release.set()
+    await first
+    with pytest.raises(StoreError, match="no answer within 10 ms"):
+        await waiting
+    assert len(waves) == 0
+
+
+# Reads a bucket as the script would find it, without charging it.
+PEEK_SCRIPT = """
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000 + tonumber(time[2]) / 1000
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local capacity, rate = tonumber(ARGV[1]), tonumber(ARGV[2])
+local held, ts = tonumber(state[1]), tonumber(state[2])
+if held == nil or ts == nil then return tostring(capacity) end
+return tostring(math.min(capacity, held + math.max(0, now - ts) / 1000 * rate))
+"""
+
+
+async def test_under_random_traffic_from_three_gateways_the_cache_never_denies_what_redis_would_allow(redis_server):
+    config = StoreConfig(url=redis_server.url, timeout=1.0, prefix="rl:", local_divisor=1, max_pending=4096, key_secret=None)
+    stores = [RedisStore(config) for _ in range(3)]
+    limiters = [Limiter(store, shared_store=True) for store in stores]
+    per_client = limit(rate="40/second", burst=4)
+    client = redis_server.client()
+    peek = client.register_script(PEEK_SCRIPT)
+    rng = random.Random(6)
+    cache_answers = store_answers = 0
+    for store in stores:
+        await store.start()
+    secret = client.get("rl:" + SECRET_KEY_SUFFIX).encode()
+    try:
+
+        async def traffic(limiter: Limiter) -> None:
+            nonlocal cache_answers, store_answers
+            end = time.monotonic() + 1.5
+            while time.monotonic() < end:
+                identity, cost = f"client-{rng.randrange(3)}", rng.choice((1, 1, 2, 3))
+                checks = [LimitCheck(per_client, identity, cost)]
+                now = time.monotonic()
+                cached = limiter.denials.lookup(checks, now)
+                if cached is not None:
+                    # The cache claims Redis denies this until `until`; a peek that ended before
+                    # then must agree.
+                    until = now + cached.retry_after
+                    key = bucket_key("rl:", per_client.name, identity_digest(secret, identity))
+                    tokens = float(await asyncio.to_thread(peek, keys=[key], args=[4.0, 40.0]))
+                    if time.monotonic() < until:
+                        assert tokens < cost, f"the cache denied {identity} cost {cost} with {tokens} tokens in Redis"
+                        cache_answers += 1
+                else:
+                    store_answers += 1
+                decision = await limiter.check(checks)
+                assert decision.statuses[0].outcome in ("allow", "deny")
+                await asyncio.sleep(rng.random() * 0.004)  # paces the traffic; synchronises nothing
+
+        await asyncio.gather(*(traffic(limiter) for limiter in limiters for _ in range(4)))
+    finally:
+        for store in stores:
+            await store.close()
+    assert cache_answers > 100 and store_answers > 100, (cache_answers, store_answers)
