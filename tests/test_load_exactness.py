@@ -50,17 +50,28 @@ end
 """
 
 
-async def wrk(url: str, connections: int, *args: str) -> tuple[int, int]:
-    """Run wrk against `url`; (responses, of which 2xx)."""
+async def run_wrk(url: str, connections: int, *args: str, seconds: float = WRK_SECONDS) -> str:
     process = await asyncio.create_subprocess_exec(
-        WRK, "-t1", f"-c{connections}", f"-d{WRK_SECONDS}s", "--timeout", "5s", *args, url,
+        WRK, "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "5s", *args, url,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )
     output = (await process.communicate())[0].decode()
     assert process.returncode == 0, output
+    return output
+
+
+async def wrk(url: str, connections: int, *args: str) -> tuple[int, int]:
+    """Run wrk against `url`; (responses, of which 2xx)."""
+    output = await run_wrk(url, connections, *args)
     total = int(re.search(r"(\d+) requests in", output).group(1))
     non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", output)
     return total, total - (int(non_2xx.group(1)) if non_2xx else 0)
+
+
+def median_latency(wrk_output: str) -> float:
+    """The 50th percentile of `wrk --latency`, in seconds."""
+    value, unit = re.search(r"^\s+50%\s+([\d.]+)(us|ms|s)\s*$", wrk_output, re.MULTILINE).groups()
+    return float(value) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[unit]
 
 
 @pytest.mark.parametrize("connections", [50, 200, 1000])
@@ -97,3 +108,33 @@ async def test_ten_thousand_clients_under_load_are_each_decided_by_redis(redis_s
     assert total <= counts["fair", "allow"] <= total + 200
     assert passed == total
     assert len(redis_server.client().keys("rl:fair:*")) == min(counts["fair", "allow"], 10_000)
+
+
+async def test_a_hung_redis_under_load_fails_open_within_the_timeout(redis_server, upstream):
+    """Redis SIGSTOPped while wrk -c50 keeps the gateway busy: every request is still
+    answered (the limit fails open), and the median request pays at most the store
+    timeout (10 ms) and 5 ms more than with a healthy Redis, in interleaved runs."""
+    config = FLOOD_CONFIG.format(
+        url=redis_server.url, upstream=upstream, name="fair", rate="1000000/hour", burst=1000000
+    )
+    healthy, hung = [], []
+    with tempfile.TemporaryDirectory(prefix="gateway-test-wrk-") as directory:
+        script = Path(directory) / "keys.lua"
+        script.write_text(MANY_KEYS_SCRIPT)
+        with GatewayProcess(config) as gateway:
+            for _ in range(3):
+                output = await run_wrk(gateway.url + "/", 50, "-s", str(script), "--latency", seconds=1)
+                healthy.append(median_latency(output))
+                redis_server.pause()
+                try:
+                    output = await run_wrk(gateway.url + "/", 50, "-s", str(script), "--latency", seconds=1)
+                finally:
+                    redis_server.resume()
+                assert "Non-2xx" not in output and "Socket errors" not in output, output
+                hung.append(median_latency(output))
+            async with aiohttp.ClientSession() as http:
+                counts = await settled_decisions(http, gateway.admin_url)
+    assert counts["fair", "fail_open"] > 0
+    added = sorted(hung)[1] - sorted(healthy)[1]
+    print(f"median latency, healthy {sorted(healthy)[1] * 1000:.2f} ms, hung {sorted(hung)[1] * 1000:.2f} ms")
+    assert added < 0.010 + 0.005, f"a hung Redis added {added * 1000:.1f} ms to the median request"
