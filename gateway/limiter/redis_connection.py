@@ -150,6 +150,7 @@ class RedisConnection:
         self._sequence = itertools.count()
         self._flush_handle: asyncio.Handle | None = None
         self._deadline_handle: asyncio.TimerHandle | None = None
+        self._armed_for: float | None = None  # the deadline the timer waits for; None while re-checking
         self._reconnecting: asyncio.Task[None] | None = None
         self._last_error = "not connected yet"
         self._opening: asyncio.Future[None] | None = None  # the attempt to connect under way
@@ -185,8 +186,9 @@ class RedisConnection:
             self._reconnect_soon()
             raise StoreError(f"redis {self.address}: {self._last_error}")
         if self.pending >= self._max_pending:
+            error = StoreError(f"redis {self.address}: {self.pending} commands already waiting for Redis")
             self._drop_if_stale()
-            raise StoreError(f"redis {self.address}: {self.pending} commands already waiting for Redis")
+            raise error
         loop = asyncio.get_running_loop()
         command = _Command(loop.create_future(), self.timeout if timeout is None else timeout)
         self._unsent.append(hiredis.pack_command(args))
@@ -227,6 +229,11 @@ class RedisConnection:
         self._waiting.extend(commands)
         if self._deadline_handle is None:
             self._arm_deadline()
+        elif self._armed_for is not None and self._deadlines[0][0] < self._armed_for:
+            # A short check behind a long command (the handshake's PING, SCRIPT LOAD)
+            # keeps its own deadline.
+            self._deadline_handle.cancel()
+            self._arm_deadline()
 
     # -- reading ---------------------------------------------------------------
 
@@ -259,10 +266,11 @@ class RedisConnection:
         while deadlines and deadlines[0][2].future.done():
             heapq.heappop(deadlines)
         if deadlines:
-            delay = max(0.0, deadlines[0][0] - time.monotonic())
+            self._armed_for = deadlines[0][0]
+            delay = max(0.0, self._armed_for - time.monotonic())
             self._deadline_handle = asyncio.get_running_loop().call_later(delay, self._deadline_passed)
         else:
-            self._deadline_handle = None
+            self._deadline_handle = self._armed_for = None
 
     def _deadline_passed(self) -> None:
         now = time.monotonic()
@@ -270,6 +278,7 @@ class RedisConnection:
         if deadlines and deadlines[0][0] > now:  # the loop's timer ran early
             self._arm_deadline()
             return
+        self._armed_for = None
         self._deadline_handle = asyncio.get_running_loop().call_later(RECHECK_DELAY, self._expire, now)
 
     def _expire(self, cutoff: float) -> None:
@@ -344,8 +353,10 @@ class RedisConnection:
         if address.db:
             replies.append(self.execute("SELECT", address.db, timeout=self._connect_timeout))
         replies.append(self.execute("PING", timeout=self._connect_timeout))
-        for reply in replies:
-            await reply
+        # Every reply is awaited, so a failed AUTH leaves no unread NOAUTH behind it.
+        for reply in await asyncio.gather(*replies, return_exceptions=True):
+            if isinstance(reply, BaseException):
+                raise reply
 
     def _abort(self) -> None:
         transport, self._transport = self._transport, None
@@ -376,7 +387,7 @@ class RedisConnection:
         self._deadlines.clear()
         if self._deadline_handle is not None:
             self._deadline_handle.cancel()
-            self._deadline_handle = None
+            self._deadline_handle = self._armed_for = None
         for command in commands:
             if not command.future.done():
                 command.future.set_exception(error)
