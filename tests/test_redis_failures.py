@@ -89,13 +89,15 @@ async def test_a_burst_of_checks_shares_one_connection_and_stays_exact(redis_ser
     await store.start()
     try:
         check = [LimitCheck(limit=one_limit(burst=50), identity="header:x-api-key=k", cost=1)]
-        answers = await asyncio.gather(*(store.check(check) for _ in range(1000)), return_exceptions=True)
+        # 300 at once: Redis runs the script in ~10 us, so a 10 ms timeout covers several
+        # hundred checks queued on one connection, but not thousands.
+        answers = await asyncio.gather(*(store.check(check) for _ in range(300)), return_exceptions=True)
         assert gateway_connections(redis_server) == 1
     finally:
         await store.close()
     errors = [a for a in answers if isinstance(a, BaseException)]
     assert errors == []
-    assert collections.Counter(a.allowed for a in answers) == {True: 50, False: 950}
+    assert collections.Counter(a.allowed for a in answers) == {True: 50, False: 250}
 
 
 async def test_a_hung_redis_times_out_every_check_and_the_connection_survives(redis_server):
