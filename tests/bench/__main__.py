@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shutil
 import signal
 import subprocess
@@ -58,6 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run_benchmark(args: argparse.Namespace, tools: dict[str, str]) -> str:
+    load_average_before = os.getloadavg()[0]
     load = LoadSettings(wrk=tools["wrk"], duration=args.duration, connections=args.connections, threads=args.threads)
     with contextlib.ExitStack() as stack:
         work_dir = make_private_dir()
@@ -88,6 +90,7 @@ def run_benchmark(args: argparse.Namespace, tools: dict[str, str]) -> str:
     results = Results(
         variants=VARIANTS, throughput=throughput, decisions=decisions, latency=latency,
         store_titles=contender_titles(), store=store, event_loop=event_loop,
+        load_average_before=load_average_before,
     )
     settings = Settings(
         rounds=args.rounds, duration=args.duration, connections=args.connections, threads=args.threads,

@@ -37,6 +37,9 @@ class Results:
     store_titles: Sequence[tuple[str, str]]
     store: Mapping[str, Sequence[StoreRun]]
     event_loop: str
+    # The 1-minute load average before the run, from other work alone: the largest source
+    # of noise, and this says how much there was. (Later values would include the run itself.)
+    load_average_before: float
 
 
 @dataclass(frozen=True)
@@ -212,15 +215,20 @@ def targets(results: Results) -> list[Target]:
     ]
 
 
+def _rounds(count: int) -> str:
+    return f"{count} round" if count == 1 else f"{count} rounds"
+
+
 def render(results: Results, settings: Settings) -> str:
     lines = [
         "## Benchmark results",
         "",
         f"- Machine: {machine_line(results.event_loop)}",
+        f"- Load average (1 min) before the run, from other work: {results.load_average_before:.2f}",
         f"- Code: {code_version()}",
-        f"- Throughput: wrk -t{settings.threads} -c{settings.connections}, {settings.rounds} rounds × "
+        f"- Throughput: wrk -t{settings.threads} -c{settings.connections}, {_rounds(settings.rounds)} × "
         f"{settings.duration} s per variant, variants interleaved in each round; medians over the rounds",
-        f"- Latency: a fixed {settings.latency_rate:,.0f} req/s (50% of (a)'s median), {settings.rounds} rounds × "
+        f"- Latency: a fixed {settings.latency_rate:,.0f} req/s (50% of (a)'s median), {_rounds(settings.rounds)} × "
         f"{settings.duration} s; medians of each round's percentiles",
         "",
         "### Throughput",
