@@ -1,0 +1,254 @@
+"""The benchmark's report: medians over the rounds, ratios, the issue's targets
+beside what was measured, and the machine, as markdown the README can quote."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from tests.bench.install import REPO_ROOT
+from tests.bench.latency import HTTPERF_BIN_MS, LatencyRun
+from tests.bench.store_checks import StoreRun
+from tests.bench.throughput import ThroughputRun
+from tests.bench.variants import Variant
+
+
+@dataclass(frozen=True)
+class Settings:
+    rounds: int
+    duration: int
+    connections: int
+    threads: int
+    latency_rate: float
+
+
+@dataclass(frozen=True)
+class Results:
+    variants: Sequence[Variant]
+    throughput: Mapping[str, Sequence[ThroughputRun]]
+    # gateway_limiter_decisions_total by decision, per gateway variant, after the throughput rounds
+    decisions: Mapping[str, Mapping[str, int]]
+    latency: Mapping[str, Sequence[LatencyRun]]
+    store_titles: Sequence[tuple[str, str]]
+    store: Mapping[str, Sequence[StoreRun]]
+    event_loop: str
+    # The 1-minute load average before the run, from other work alone: the largest source
+    # of noise, and this says how much there was. (Later values would include the run itself.)
+    load_average_before: float
+
+
+@dataclass(frozen=True)
+class Target:
+    text: str
+    measured: str
+    met: bool
+
+
+def machine_line(event_loop: str) -> str:
+    return (
+        f"{len(os.sched_getaffinity(0))} CPUs (nproc), {cpu_model()}, Linux {platform.release()}, "
+        f"Python {platform.python_version()}, gateway event loop: {event_loop}"
+    )
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def code_version() -> str:
+    """The commit measured, marked when gateway/ or lua/ differ from it."""
+    def git(*args: str) -> str:
+        result = subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True)
+        return result.stdout.strip() if result.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown commit"
+    changed = git("status", "--porcelain", "--", "gateway", "lua")
+    return f"{commit} with uncommitted changes in gateway/ or lua/" if changed else commit
+
+
+def median_rate(runs: Sequence[ThroughputRun]) -> float:
+    return statistics.median(run.wrk.requests_per_second for run in runs)
+
+
+def _number(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:,.0f}"
+
+
+def _ms(value: float) -> str:
+    return "n/a" if math.isnan(value) else ("∞" if math.isinf(value) else f"{value:.2f} ms")
+
+
+def _per_request(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.3f}"
+
+
+def _ratio(value: float) -> str:
+    return "n/a" if math.isnan(value) or math.isinf(value) else f"{value:.2f}×"
+
+
+def _divide(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else math.nan
+
+
+def _bin(lower_edge: float) -> str:
+    if math.isnan(lower_edge):
+        return "n/a"
+    return f"{lower_edge:g}–{lower_edge + HTTPERF_BIN_MS:g} ms"
+
+
+def throughput_table(results: Results) -> list[str]:
+    baseline = median_rate(results.throughput["a"])
+    lines = [
+        "| variant | what | req/s (median) | min–max | × (a) | Redis script calls / request "
+        "| fail_open / limiter decisions | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for variant in results.variants:
+        runs = results.throughput[variant.key]
+        rates = [run.wrk.requests_per_second for run in runs]
+        calls = _divide(sum(run.script_calls for run in runs), sum(run.wrk.requests for run in runs))
+        # For the flood, non-2xx answers (429) are the point, not errors.
+        errors = sum(run.wrk.socket_errors + (0 if variant.flood else run.wrk.non_success) for run in runs)
+        lines.append(
+            f"| ({variant.key}) | {variant.title} | {_number(median_rate(runs))} | "
+            f"{_number(min(rates))}–{_number(max(rates))} | {_ratio(_divide(median_rate(runs), baseline))} | "
+            f"{_per_request(calls)} | {_fail_open_share(results.decisions.get(variant.key))} | {errors} |"
+        )
+    return lines
+
+
+def _fail_open_share(decisions: Mapping[str, int] | None) -> str:
+    """How many limiter decisions were the store failing and the request let through, of all."""
+    if not decisions:
+        return "—"
+    return f"{decisions.get('fail_open', 0):,} / {sum(decisions.values()):,}"
+
+
+def flood_line(results: Results) -> str:
+    runs = results.throughput["c"]
+    decisions = results.decisions.get("c", {})
+    denied = sum(run.wrk.non_success for run in runs)
+    calls = _divide(sum(run.script_calls for run in runs), denied)
+    return (
+        f"Flood (c), over the whole run: allowed {decisions.get('allow', 0)}, denied (429) in the rounds {denied:,}, "
+        f"fail_open {decisions.get('fail_open', 0)}, Redis script calls per denied request {_per_request(calls)}."
+    )
+
+
+def latency_table(results: Results) -> list[str]:
+    baseline_p99 = _median_of(results.latency["a"], lambda run: run.open_loop.p99_ms)
+    lines = [
+        "| variant | open-loop p50 | open-loop p99 | p99 added vs (a) | client's scheduler lag p99 "
+        "| waited for a connection | httperf p50 (1 ms bin) | httperf p99 (1 ms bin) | unanswered / httperf errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for key, runs in results.latency.items():
+        p99 = _median_of(runs, lambda run: run.open_loop.p99_ms)
+        added = "—" if key == "a" else _ms(p99 - baseline_p99)
+        failures = sum(run.open_loop.unanswered + run.open_loop.non_2xx for run in runs)
+        httperf_errors = sum(run.httperf.errors for run in runs)
+        lines.append(
+            f"| ({key}) | {_ms(_median_of(runs, lambda run: run.open_loop.p50_ms))} | {_ms(p99)} | {added} | "
+            f"{_ms(_median_of(runs, lambda run: run.open_loop.dispatch_lag_p99_ms))} | "
+            f"{sum(run.open_loop.waited_for_connection for run in runs)} | "
+            f"{_bin(_median_of(runs, lambda run: run.httperf.p50_bin_ms))} | "
+            f"{_bin(_median_of(runs, lambda run: run.httperf.p99_bin_ms))} | {failures} / {httperf_errors} |"
+        )
+    return lines
+
+
+def _median_of(runs: Sequence[LatencyRun], value) -> float:
+    values = [value(run) for run in runs]
+    return statistics.median(values) if values else math.nan
+
+
+def store_table(results: Results) -> list[str]:
+    baseline = statistics.median(run.checks_per_second for run in results.store["evalsha"])
+    lines = [
+        "| store | checks/s (median) | min–max | × redis-py EVALSHA | failed checks |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for key, title in results.store_titles:
+        rates = [run.checks_per_second for run in results.store[key]]
+        median = statistics.median(rates)
+        failed = sum(run.failed for run in results.store[key])
+        lines.append(
+            f"| {title} | {_number(median)} | {_number(min(rates))}–{_number(max(rates))} | "
+            f"{_ratio(_divide(median, baseline))} | {failed} |"
+        )
+    return lines
+
+
+def targets(results: Results) -> list[Target]:
+    rate = {key: median_rate(runs) for key, runs in results.throughput.items()}
+    flood_runs = results.throughput["c"]
+    calls_per_denied = _divide(sum(r.script_calls for r in flood_runs), sum(r.wrk.non_success for r in flood_runs))
+    p99 = {key: _median_of(runs, lambda run: run.open_loop.p99_ms) for key, runs in results.latency.items()}
+    added = p99["b"] - p99["a"]
+    store = {key: statistics.median(r.checks_per_second for r in runs) for key, runs in results.store.items()}
+    allowed = results.decisions.get("c", {}).get("allow", 0)
+    fail_open = results.decisions.get("c", {}).get("fail_open", 0)
+    b_over_a, a_over_f = _divide(rate["b"], rate["a"]), _divide(rate["a"], rate["f"])
+    c_over_b, store_over_evalsha = _divide(rate["c"], rate["b"]), _divide(store["store"], store["evalsha"])
+    return [
+        Target("(b) throughput ≥ 0.90 × (a)", _ratio(b_over_a), b_over_a >= 0.90),
+        Target("(a) throughput ≥ (f) alone", _ratio(a_over_f), a_over_f >= 1.0),
+        Target("(c) throughput ≥ 3 × (b)", _ratio(c_over_b), c_over_b >= 3.0),
+        Target("store calls per denied request in (c) ≤ 0.05", _per_request(calls_per_denied),
+               calls_per_denied <= 0.05),
+        Target("p99 added by limiting (b − a) at 50% load ≤ 1 ms", _ms(added), added <= 1.0),
+        Target("store checks/s ≥ 3 × redis-py per-call EVALSHA", _ratio(store_over_evalsha), store_over_evalsha >= 3.0),
+        Target("flood: allowed exactly 1, fail_open 0", f"allowed {allowed}, fail_open {fail_open}",
+               allowed == 1 and fail_open == 0),
+    ]
+
+
+def _rounds(count: int) -> str:
+    return f"{count} round" if count == 1 else f"{count} rounds"
+
+
+def render(results: Results, settings: Settings) -> str:
+    lines = [
+        "## Benchmark results",
+        "",
+        f"- Machine: {machine_line(results.event_loop)}",
+        f"- Load average (1 min) before the run, from other work: {results.load_average_before:.2f}",
+        f"- Code: {code_version()}",
+        f"- Throughput: wrk -t{settings.threads} -c{settings.connections}, {_rounds(settings.rounds)} × "
+        f"{settings.duration} s per variant, variants interleaved in each round; medians over the rounds",
+        f"- Latency: a fixed {settings.latency_rate:,.0f} req/s (50% of (a)'s median), {_rounds(settings.rounds)} × "
+        f"{settings.duration} s; medians of each round's percentiles",
+        "",
+        "### Throughput",
+        "",
+        *throughput_table(results),
+        "",
+        flood_line(results),
+        "",
+        "### Latency at a fixed request rate (no coordinated omission)",
+        "",
+        *latency_table(results),
+        "",
+        "### Store checks per second (200 in flight from one process, no HTTP)",
+        "",
+        *store_table(results),
+        "",
+        "### Targets",
+        "",
+        "| target | measured | met |",
+        "|---|---:|:---:|",
+        *(f"| {t.text} | {t.measured} | {'yes' if t.met else 'no'} |" for t in targets(results)),
+    ]
+    return "\n".join(lines) + "\n"

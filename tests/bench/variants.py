@@ -1,0 +1,131 @@
+"""What the benchmark compares over HTTP, and how each is started.
+
+Every variant forwards `GET /` to the same nginx upstream. The gateways run as
+users start them, `python -m gateway run -c FILE`, with the project's default
+store settings (a 10 ms store timeout included), so the numbers are the ones a
+user would see.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import re
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.bench.servers import naive_proxy, nginx_limit_req_proxy, started
+from tests.processes import GatewayProcess, RedisServer
+
+# Rate and burst no client comes near in a run: every request is allowed, so what
+# is measured is the cost of checking, not of denying.
+ALL_ALLOWED_LIMIT = "{rate: 1000000/second, burst: 1000000, key: ['header:X-API-Key']}"
+# One token an hour: after the first request, a flooding client is denied for the whole run.
+FLOOD_LIMIT = "{rate: 1/hour, burst: 1, key: ['header:X-API-Key'], on_store_error: open}"
+FLOOD_API_KEY = "flood"
+_EVENT_LOOP = re.compile(r"event loop: (\w+)")
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What all variants share: the tools, the upstream, one private Redis, a temp dir."""
+
+    tools: dict[str, str]
+    upstream_url: str
+    redis: RedisServer
+    work_dir: Path
+
+
+@dataclass
+class RunningVariant:
+    url: str
+    gateway: GatewayProcess | None = None  # for /metrics and the startup line
+
+    def limiter_decisions(self) -> collections.Counter[str]:
+        """The gateway's `gateway_limiter_decisions_total`, summed by decision (allow, deny, fail_open, ...)."""
+        assert self.gateway is not None
+        with urllib.request.urlopen(self.gateway.admin_url + "/metrics", timeout=5) as response:
+            text = response.read().decode()
+        decisions: collections.Counter[str] = collections.Counter()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "gateway_limiter_decisions_total":
+                    decisions[sample.labels["decision"]] += int(sample.value)
+        return decisions
+
+    def event_loop(self) -> str:
+        """The event loop the gateway reported in its startup line ("uvloop" or "asyncio")."""
+        assert self.gateway is not None
+        for line in self.gateway.stderr_lines:
+            match = _EVENT_LOOP.search(line)
+            if match:
+                return match.group(1)
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class Variant:
+    key: str  # the letter in the issue, as the tables show it
+    title: str
+    start: Callable[[Environment], contextlib.AbstractContextManager[RunningVariant]]
+    flood: bool = False  # one client far over its limit, instead of 10,000 clients within theirs
+
+
+def gateway_yaml(upstream_url: str, *, store_url: str | None = None, limit: str | None = None) -> str:
+    """A gateway config with one route to the upstream, and at most one limit called `bench`."""
+    store = f"store:\n  url: {store_url}\n" if store_url else ""
+    limits = f"limits:\n  bench: {limit}\n" if limit else ""
+    route_limits = "[bench]" if limit else "[]"
+    return f"""listen: 127.0.0.1:0
+admin_listen: 127.0.0.1:0
+{store}{limits}routes:
+  - match: {{path: /}}
+    upstream: {upstream_url}
+    limits: {route_limits}
+"""
+
+
+@contextlib.contextmanager
+def running_gateway(config_text: str) -> Iterator[RunningVariant]:
+    with started(GatewayProcess(config_text), "gateway") as gateway:
+        yield RunningVariant(url=gateway.url, gateway=gateway)
+
+
+@contextlib.contextmanager
+def running_server(server: contextlib.AbstractContextManager) -> Iterator[RunningVariant]:
+    with server as process:
+        yield RunningVariant(url=process.url)
+
+
+VARIANTS: tuple[Variant, ...] = (
+    Variant("a", "gateway, no limits", lambda env: running_gateway(gateway_yaml(env.upstream_url))),
+    Variant(
+        "b", "gateway, Redis limit, 10,000 clients, all allowed",
+        lambda env: running_gateway(gateway_yaml(env.upstream_url, store_url=env.redis.url, limit=ALL_ALLOWED_LIMIT)),
+    ),
+    Variant(
+        "c", "gateway, Redis limit, one client flooding (1/hour)",
+        lambda env: running_gateway(gateway_yaml(env.upstream_url, store_url=env.redis.url, limit=FLOOD_LIMIT)),
+        flood=True,
+    ),
+    Variant(
+        "d", "gateway, in-process store, all allowed",
+        lambda env: running_gateway(gateway_yaml(env.upstream_url, limit=ALL_ALLOWED_LIMIT)),
+    ),
+    Variant(
+        "e", "nginx proxy_pass + limit_req, 1 worker",
+        lambda env: running_server(nginx_limit_req_proxy(env.tools["nginx"], env.upstream_url)),
+    ),
+    Variant(
+        "f", "naive aiohttp proxy (uvloop)",
+        lambda env: running_server(naive_proxy(env.upstream_url, env.work_dir)),
+    ),
+    Variant(
+        "f+redis", "naive aiohttp proxy + redis-py EVALSHA per request",
+        lambda env: running_server(naive_proxy(env.upstream_url, env.work_dir, redis_url=env.redis.url)),
+    ),
+)
