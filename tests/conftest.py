@@ -21,6 +21,13 @@ def redis_server():
 
 
 @pytest.fixture
+def dedicated_redis():
+    """A private redis-server at real-time CPU priority: a Redis with a host of its own."""
+    with RedisServer(dedicated=True) as server:
+        yield server
+
+
+@pytest.fixture
 async def client():
     """An HTTP client that shows bodies as sent (no automatic decompression) and sends
     Cookie headers as set (with a cookie jar, aiohttp re-parses and rewrites them)."""

@@ -21,3 +21,22 @@ routes:
     upstream: http://127.0.0.1:9000
     limits: [per_client]
 """
+
+# One Redis limit on every request, keyed by X-API-Key and failing open: the
+# settings under which a check not answered in time would let a request through.
+ONE_REDIS_LIMIT = """
+listen: 127.0.0.1:0
+admin_listen: 127.0.0.1:0
+store:
+  url: {url}
+limits:
+  {name}:
+    rate: {rate}
+    burst: {burst}
+    key: header:X-API-Key
+    on_store_error: open
+routes:
+  - match: {{path: /}}
+    upstream: {upstream}
+    limits: [{name}]
+"""

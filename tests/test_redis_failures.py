@@ -84,7 +84,8 @@ def gateway_connections(redis_server) -> int:
     return len([c for c in redis_server.client().client_list() if c["cmd"] != "client|list"])
 
 
-async def test_a_burst_of_checks_shares_one_connection_and_stays_exact(redis_server):
+async def test_a_burst_of_checks_shares_one_connection_and_stays_exact(dedicated_redis):
+    redis_server = dedicated_redis
     store = RedisStore(store_config(redis_server.url, timeout=0.01))
     await store.start()
     try:

@@ -5,7 +5,8 @@ read-compute-write client, given the same concurrency, lets more through.
 
 At the settings users run: the default store.timeout (10 ms) and a limit that
 fails open, so a check the gateway failed to get answered in time would pass
-and break the count."""
+and break the count. Redis has a core of its own (`dedicated_redis`), as in
+production."""
 
 from __future__ import annotations
 
@@ -16,30 +17,13 @@ import contextlib
 import aiohttp
 import redis.asyncio
 
+from tests.examples import ONE_REDIS_LIMIT
 from tests.metrics_reading import settled_decisions
 from tests.processes import GatewayProcess
 
 GATEWAYS = 4
 REQUESTS = 400
 BURST = 50
-
-RACE_CONFIG = """
-listen: 127.0.0.1:0
-admin_listen: 127.0.0.1:0
-store:
-  url: {url}
-limits:
-  per_client:
-    rate: 1/day
-    burst: {burst}
-    key: header:X-API-Key
-    on_store_error: open
-routes:
-  - match: {{path: /}}
-    upstream: {upstream}
-    limits: [per_client]
-"""
-
 
 async def naive_take_one(client: redis.asyncio.Redis, key: str, capacity: float, rate: float) -> bool:
     """A token bucket without the script: read, compute in Python, write back."""
@@ -53,8 +37,8 @@ async def naive_take_one(client: redis.asyncio.Redis, key: str, capacity: float,
     return True
 
 
-async def test_four_gateways_let_exactly_the_burst_through_and_a_naive_client_does_not(redis_server, upstream):
-    config = RACE_CONFIG.format(url=redis_server.url, burst=BURST, upstream=upstream)
+async def test_four_gateways_let_exactly_the_burst_through_and_a_naive_client_does_not(dedicated_redis, upstream):
+    config = ONE_REDIS_LIMIT.format(url=dedicated_redis.url, name="per_client", rate="1/day", burst=BURST, upstream=upstream)
     gateways = [GatewayProcess(config) for _ in range(GATEWAYS)]
     with contextlib.ExitStack() as stack:
         for gateway in gateways:
@@ -79,7 +63,7 @@ async def test_four_gateways_let_exactly_the_burst_through_and_a_naive_client_do
     assert statuses == {200: BURST, 429: REQUESTS - BURST}, statuses
     assert collections.Counter(g for g, _ in answers) == {g: REQUESTS // GATEWAYS for g in range(GATEWAYS)}
 
-    pool = redis.asyncio.BlockingConnectionPool(port=redis_server.port, max_connections=8)
+    pool = redis.asyncio.BlockingConnectionPool(port=dedicated_redis.port, max_connections=8)
     naive = redis.asyncio.Redis.from_pool(pool)  # closing it closes the pool
     try:
         taken = await asyncio.gather(
