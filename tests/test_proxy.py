@@ -15,6 +15,7 @@ import json
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 from yarl import URL
 
 from gateway.testing import running_gateway
@@ -330,6 +331,33 @@ async def test_connect_never_opens_a_tunnel(gw, decoy):
     assert status == 400
     assert values(headers, "Content-Type")[0].startswith("application/problem+json")
     assert json.loads(body)["status"] == 400
+
+
+
+@pytest.mark.parametrize(
+    ("head", "method", "status"),
+    [
+        ("OPTIONS * HTTP/1.1", "OPTIONS", 400),
+        ("CONNECT example.com:443 HTTP/1.1", "CONNECT", 400),
+        ("POST /echo/x HTTP/1.1\r\nContent-Length: 0\r\nExpect: 200-ok", "POST", 417),
+    ],
+)
+async def test_targets_and_expectations_the_gateway_refuses_get_a_problem_and_are_counted(
+    gw, client, head, method, status
+):
+    answer, headers, body = await raw_exchange(gw.url, f"{head}\r\nHost: gw\r\nConnection: close\r\n\r\n".encode())
+    assert answer == status
+    assert values(headers, "Content-Type") == ["application/problem+json; charset=utf-8"]
+    assert json.loads(body)["status"] == status
+    async with client.get(gw.admin_url + "/metrics") as response:
+        text = await response.text()
+    counted = [
+        sample.labels
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "gateway_requests_total" and sample.value == 1
+    ]
+    assert counted == [{"route": "unmatched", "method": method, "status_class": "4xx"}]
 
 
 # --- WebSocket --------------------------------------------------------------------

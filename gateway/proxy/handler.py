@@ -15,6 +15,7 @@ import time
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http import HttpVersion11
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -63,11 +64,16 @@ class ProxyHandler:
             await session.close()
         self._sessions.clear()
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        """Every request on the public listener comes here, whatever its target."""
         self._metrics.in_flight.inc()
         route: Route | None = None
         response: web.StreamResponse | None = None
         try:
+            if "Expect" in request.headers:
+                response = await _expectation(request)
+                if response is not None:
+                    return response
             if request.method == "CONNECT" or not request.path.startswith("/"):
                 # Authority-form (CONNECT host:port) and asterisk-form (OPTIONS *) targets
                 # name no resource of ours: this is a reverse proxy, never a tunnel.
@@ -88,7 +94,7 @@ class ProxyHandler:
                 status_class=f"{status // 100}xx",
             ).inc()
 
-    async def _limited(self, request: web.Request, route: Route) -> web.StreamResponse:
+    async def _limited(self, request: web.BaseRequest, route: Route) -> web.StreamResponse:
         decision = await self._decide(request, route)
         limit_headers = ratelimit_headers(decision.statuses)
         if not decision.allowed:
@@ -103,7 +109,7 @@ class ProxyHandler:
             )
         return await self._forward(request, route, limit_headers)
 
-    async def _decide(self, request: web.Request, route: Route) -> Decision:
+    async def _decide(self, request: web.BaseRequest, route: Route) -> Decision:
         if not route.limits:
             return UNLIMITED
         started = time.perf_counter()
@@ -139,14 +145,14 @@ class ProxyHandler:
             limits=denied,
         )
 
-    def _upstream_url(self, request: web.Request, route: Route) -> URL:
+    def _upstream_url(self, request: web.BaseRequest, route: Route) -> URL:
         raw_path = request.rel_url.raw_path
         if route.strip_prefix and route.match.path != "/":
             raw_path = _strip_prefix(raw_path, request.path, route.match.path)
         query = request.rel_url.raw_query_string
         return URL(route.upstream + raw_path + (f"?{query}" if query else ""), encoded=True)
 
-    def _forward_headers(self, request: web.Request, route: Route) -> CIMultiDict[str]:
+    def _forward_headers(self, request: web.BaseRequest, route: Route) -> CIMultiDict[str]:
         headers = end_to_end(request.headers)
         original_host = request.headers.get("Host", "")
         if not route.preserve_host:
@@ -154,7 +160,7 @@ class ProxyHandler:
         add_forwarded(headers, peer=request.remote or "", proto=request.scheme, host=original_host)
         return headers
 
-    async def _forward(self, request: web.Request, route: Route, limit_headers: dict[str, str]) -> web.StreamResponse:
+    async def _forward(self, request: web.BaseRequest, route: Route, limit_headers: dict[str, str]) -> web.StreamResponse:
         session = self._sessions[route.upstream]
         headers = self._forward_headers(request, route)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=route.timeout.connect, sock_read=route.timeout.read)
@@ -203,6 +209,21 @@ class ProxyHandler:
             return problem(502, "Bad Gateway", f"The upstream failed: {type(exc).__name__}.", headers=limit_headers)
 
 
+async def _expectation(request: web.BaseRequest) -> web.Response | None:
+    """Answer `Expect` as aiohttp's router did before the handler ran: `100-continue` gets
+    its interim response, so the client sends the body; any other expectation gets 417
+    (RFC 9110 §10.1.1). HTTP/1.0 has no interim responses, so there it is ignored."""
+    if request.version != HttpVersion11:
+        return None
+    expect = request.headers["Expect"]
+    if expect.lower() != "100-continue":
+        return problem(417, "Expectation Failed", f"Only 100-continue is understood, not {expect!r}.")
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the interim response is not part of the response's size
+    await request.writer.drain()
+    return None
+
+
 def _strip_prefix(raw_path: str, path: str, prefix: str) -> str:
     """The raw path after the route's `prefix`. When the decoded `path` is already normal,
     the rest keeps the client's own encoding, so an encoded slash (`group%2Fproject`)
@@ -214,7 +235,7 @@ def _strip_prefix(raw_path: str, path: str, prefix: str) -> str:
     return URL.build(path=rest if rest.startswith("/") else "/" + rest).raw_path
 
 
-def _request_host(request: web.Request) -> str:
+def _request_host(request: web.BaseRequest) -> str:
     """The Host header as routes match it: lower case, without its port, and without the
     trailing dot of a fully qualified name, which names the same host (`api.example.com.`)."""
     host = request.headers.get("Host", "").lower()
