@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -34,6 +35,17 @@ def _parse_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None
     return address
 
 
+@dataclass(frozen=True, slots=True)
+class IdentityKey:
+    """A limit's `key`, compiled once: each source beside its "source=" prefix."""
+
+    sources: tuple[tuple[IdentitySource, str], ...]
+
+    @classmethod
+    def of(cls, sources: Sequence[IdentitySource]) -> IdentityKey:
+        return cls(sources=tuple((source, f"{source}=") for source in sources))
+
+
 class ClientIdentity:
     def __init__(self, trusted_proxies: Sequence[IPNetwork]) -> None:
         self._trusted = tuple(trusted_proxies)
@@ -41,7 +53,7 @@ class ClientIdentity:
     def _is_trusted(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address | None) -> bool:
         return address is not None and any(address in network for network in self._trusted)
 
-    def client_ip(self, request: web.Request) -> str:
+    def client_ip(self, request: web.BaseRequest) -> str:
         peer_text = request.remote or ""
         peer = _parse_ip(peer_text)
         if not self._is_trusted(peer):
@@ -58,15 +70,15 @@ class ClientIdentity:
                 break
         return client
 
-    def identity(self, request: web.Request, sources: Sequence[IdentitySource], client_ip: str) -> str:
+    def identity(self, request: web.BaseRequest, key: IdentityKey, client_ip: str) -> str:
         """The first source present, as "source=value"; the client's IP when none is."""
-        for source in sources:
+        for source, prefix in key.sources:
             value = client_ip if source.kind == "ip" else self._value(request, source)
             if value:
-                return f"{source}={value}"
-        return f"ip={client_ip}"
+                return prefix + value
+        return "ip=" + client_ip
 
-    def _value(self, request: web.Request, source: IdentitySource) -> str | None:
+    def _value(self, request: web.BaseRequest, source: IdentitySource) -> str | None:
         if source.kind == "header":
             return request.headers.get(source.name)
         if source.kind == "query":
@@ -74,7 +86,7 @@ class ClientIdentity:
         return _cookie(request, source.name)
 
 
-def _cookie(request: web.Request, name: str) -> str | None:
+def _cookie(request: web.BaseRequest, name: str) -> str | None:
     """The first cookie called `name`, read as browsers send them (RFC 6265 §5.4): `name=value`
     pairs split on ";". http.cookies gives up on the whole header at the first value it
     dislikes (JSON, a space), which would silently key such clients by IP instead."""
