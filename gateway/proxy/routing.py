@@ -16,6 +16,8 @@ from gateway.config.model import Match
 
 def normalize_path(path: str) -> str:
     """Remove dot segments (RFC 3986 §5.2.4) and empty segments from a decoded path."""
+    if path.startswith("/") and "//" not in path and "/." not in path:
+        return path  # the usual case: no segment is empty, ".", or ".."
     segments: list[str] = []
     for segment in path.split("/"):
         if segment in ("", "."):

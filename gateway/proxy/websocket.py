@@ -18,8 +18,10 @@ _HANDSHAKE_HEADERS = ("Sec-WebSocket-Key", "Sec-WebSocket-Version", "Sec-WebSock
 
 
 def is_websocket_upgrade(request: web.BaseRequest) -> bool:
+    if request.headers.get("Upgrade", "").lower() != "websocket":
+        return False  # most requests: no need to read Connection
     connection = {t.strip().lower() for line in request.headers.getall("Connection", ()) for t in line.split(",")}
-    return "upgrade" in connection and request.headers.get("Upgrade", "").lower() == "websocket"
+    return "upgrade" in connection
 
 
 async def proxy_websocket(
