@@ -74,6 +74,10 @@ class Metrics:
             "gateway_upstream_latency_seconds", "Time from sending upstream to the response headers, by route.",
             ["route"], buckets=UPSTREAM_BUCKETS, registry=r,
         )
+        self.shed = Counter(
+            "gateway_requests_shed", "Requests answered 503 at once because max_in_flight were already in flight.",
+            registry=r,
+        )
         self.in_flight = Gauge(
             "gateway_requests_in_flight", "Requests being handled now.", registry=r, multiprocess_mode="livesum"
         )

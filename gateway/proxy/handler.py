@@ -1,4 +1,4 @@
-"""The request path: route, rate-limit, then proxy (or answer 404/429/503).
+"""The request path: route, shed past max_in_flight, rate-limit, then proxy (or answer 404/429/503).
 
 Knows nothing of Redis: it asks `Limiter.check` for a decision. Trusts the
 config; trusts nothing in the request. The upstream contacted always comes
@@ -48,6 +48,7 @@ class ProxyHandler:
         self._limiter = limiter
         self._metrics = metrics
         self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._in_flight = 0  # requests in handle() now, this one included
 
     async def start(self) -> None:
         for upstream in self._plans.upstreams:
@@ -68,6 +69,7 @@ class ProxyHandler:
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         """Every request on the public listener comes here, whatever its target."""
         plans = self._plans
+        self._in_flight += 1
         self._metrics.in_flight.inc()
         requests = plans.unmatched
         response: web.StreamResponse | None = None
@@ -88,9 +90,15 @@ class ProxyHandler:
                 response = problem(404, "Not Found", "No route matches this request.")
                 return response
             requests = plan.requests
+            if self._in_flight > plans.max_in_flight:
+                # Overload, answered at once: neither the limiter nor the upstream hears of it.
+                self._metrics.shed.inc()
+                response = problem_response(503, plans.shed, headers=_RETRY_AFTER_ONE)
+                return response
             response = await self._limited(request, plan, plans.identity, normalized)
             return response
         finally:
+            self._in_flight -= 1
             self._metrics.in_flight.dec()
             status = response.status if response is not None else 500
             requests(method_label(request.method), STATUS_CLASSES[status // 100]).inc()

@@ -102,6 +102,8 @@ class Plans:
     identity: ClientIdentity
     unmatched: Children  # gateway_requests_total for requests no route takes, by method and status class
     upstreams: tuple[str, ...]
+    max_in_flight: int
+    shed: bytes  # the 503 body past max_in_flight
 
 
 def compile_plans(config: GatewayConfig, metrics: Metrics) -> Plans:
@@ -112,6 +114,8 @@ def compile_plans(config: GatewayConfig, metrics: Metrics) -> Plans:
         identity=ClientIdentity(config.trusted_proxies),
         unmatched=Children(metrics.requests, ("method", "status_class"), route=UNMATCHED_ROUTE),
         upstreams=tuple(sorted({plan.upstream for plan in routes})),
+        max_in_flight=config.max_in_flight,
+        shed=problem_body(503, "Service Unavailable", "The gateway has as many requests in flight as it takes; retry shortly."),
     )
 
 
