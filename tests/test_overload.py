@@ -11,10 +11,10 @@ import asyncio
 import json
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.testing import running_gateway
 from tests.processes import eventually
+from tests.scrape import scrape, value
 
 CAP = 2
 BEYOND = 3
@@ -39,15 +39,6 @@ async def fetch(client: aiohttp.ClientSession, method: str, url: str) -> tuple[i
 
 async def arrived(client: aiohttp.ClientSession, upstream: str) -> int:
     return json.loads((await fetch(client, "GET", upstream + "/held/arrived"))[2])["arrived"]
-
-
-async def samples(client: aiohttp.ClientSession, admin_url: str) -> dict[tuple[str, frozenset], float]:
-    text = (await fetch(client, "GET", admin_url + "/metrics"))[2].decode()
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
 
 
 async def test_past_max_in_flight_requests_are_shed_with_503_and_counted(upstream, client):
@@ -81,12 +72,10 @@ async def test_past_max_in_flight_requests_are_shed_with_503_and_counted(upstrea
         # Once requests finish, there is room again.
         assert (await fetch(client, "GET", gw.url + "/echo/after"))[0] == 200
 
-        metrics = await samples(client, gw.admin_url)
-    assert metrics[("gateway_requests_shed_total", frozenset())] == BEYOND
-    route = {("route", "/"), ("method", "GET")}
-    assert metrics[("gateway_requests_total", frozenset(route | {("status_class", "5xx")}))] == BEYOND
-    assert metrics[("gateway_requests_total", frozenset(route | {("status_class", "2xx")}))] == CAP + 1
+        _, samples = await scrape(client, gw.admin_url)
+    assert value(samples, "gateway_requests_shed_total") == BEYOND
+    assert value(samples, "gateway_requests_total", route="/", method="GET", status_class="5xx") == BEYOND
+    assert value(samples, "gateway_requests_total", route="/", method="GET", status_class="2xx") == CAP + 1
     # The limiter was asked about the admitted requests only.
-    allowed = frozenset({("route", "/"), ("limit", "everyone"), ("decision", "allow")})
-    assert metrics[("gateway_limiter_decisions_total", allowed)] == CAP + 1
-    assert metrics[("gateway_requests_in_flight", frozenset())] == 0
+    assert value(samples, "gateway_limiter_decisions_total", route="/", limit="everyone", decision="allow") == CAP + 1
+    assert value(samples, "gateway_requests_in_flight") == 0

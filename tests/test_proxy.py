@@ -15,11 +15,11 @@ import json
 import aiohttp
 import pytest
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 from yarl import URL
 
 from gateway.testing import running_gateway
 from tests.processes import free_port
+from tests.scrape import scrape, value
 from tests.upstream import GZIP_TEXT
 
 RAW_TIMEOUT = 10.0
@@ -356,15 +356,8 @@ async def test_targets_and_expectations_the_gateway_refuses_get_a_problem_and_ar
     assert answer == status
     assert values(headers, "Content-Type") == ["application/problem+json; charset=utf-8"]
     assert json.loads(body)["status"] == status
-    async with client.get(gw.admin_url + "/metrics") as response:
-        text = await response.text()
-    counted = [
-        sample.labels
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "gateway_requests_total" and sample.value == 1
-    ]
-    assert counted == [{"route": "unmatched", "method": method, "status_class": "4xx"}]
+    _, samples = await scrape(client, gw.admin_url)
+    assert value(samples, "gateway_requests_total", route="unmatched", method=method, status_class="4xx") == 1
 
 
 # --- WebSocket --------------------------------------------------------------------
