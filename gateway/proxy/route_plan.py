@@ -1,7 +1,7 @@
 """The config compiled for the request path: one plan per route, built once at start.
 
 Whatever a request needs that depends on the config alone is made here and
-only read per request: each route's metric label and metric children, its
+only read per request: each route's metric children (with its label), its
 upstream base URL and timeouts, the prefix it strips, and for each of its
 limits the identity key, the RateLimit-Policy value and the rejection bodies.
 `Plans` holds every plan and every cache keyed by them, so a reload can build
@@ -58,9 +58,7 @@ class PrefixStrip:
 
 @dataclass(frozen=True, slots=True)
 class RoutePlan:
-    route: Route
     match: Match
-    label: str  # the route in metrics
     upstream: str  # base URL, without a trailing slash
     strip: PrefixStrip | None
     preserve_host: bool
@@ -97,7 +95,6 @@ class RoutePlan:
 class Plans:
     """Everything the request path reads, compiled from one config."""
 
-    routes: tuple[RoutePlan, ...]
     router: Router[RoutePlan]
     identity: ClientIdentity
     unmatched: Children  # gateway_requests_total for requests no route takes, by method and status class
@@ -109,23 +106,22 @@ class Plans:
 def compile_plans(config: GatewayConfig, metrics: Metrics) -> Plans:
     routes = tuple(_route_plan(route, metrics) for route in config.routes)
     return Plans(
-        routes=routes,
         router=Router(routes),
         identity=ClientIdentity(config.trusted_proxies),
         unmatched=Children(metrics.requests, ("method", "status_class"), route=UNMATCHED_ROUTE),
         upstreams=tuple(sorted({plan.upstream for plan in routes})),
         max_in_flight=config.max_in_flight,
-        shed=problem_body(503, "Service Unavailable", "The gateway has as many requests in flight as it takes; retry shortly."),
+        shed=problem_body(
+            503, "Service Unavailable", "The gateway has as many requests in flight as it takes; retry shortly."
+        ),
     )
 
 
 def _route_plan(route: Route, metrics: Metrics) -> RoutePlan:
-    label = route.label
+    label = route.label  # the route in metrics, formed once for all its children
     timeout = route.timeout
     return RoutePlan(
-        route=route,
         match=route.match,
-        label=label,
         upstream=route.upstream,
         strip=PrefixStrip.of(route.match.path) if route.strip_prefix and route.match.path != "/" else None,
         preserve_host=route.preserve_host,
