@@ -100,7 +100,7 @@ def describe(config: GatewayConfig) -> str:
         f"{config.source}: OK",
         (
             f"listen {config.listen}, admin {config.admin_listen}, workers {config.workers}, "
-            f"shutdown grace {config.shutdown_grace:g}s"
+            f"max in flight {config.max_in_flight} per worker, shutdown grace {config.shutdown_grace:g}s"
         ),
         f"store: {store}",
         f"trusted proxies: {trusted}",

@@ -3,7 +3,10 @@ routes are labelled by their configured match, methods by a fixed set."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from gateway import __version__
@@ -16,8 +19,37 @@ LIMITER_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0
 UPSTREAM_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+# status // 100 -> its label; HTTP status codes have three digits.
+STATUS_CLASSES = tuple(f"{digit}xx" for digit in range(10))
+
+
 def method_label(method: str) -> str:
     return method if method in KNOWN_METHODS else "OTHER"
+
+
+class Children:
+    """The children of one labelled metric for some fixed labels (a route, a limit), each
+    bound on first use and kept.
+
+    `labels()` checks the names and looks the child up under a lock, about 3 µs a call;
+    a kept child is one dict hit away. Binding on first use rather than up front keeps
+    /metrics to the label sets that have happened. Callers pass values from a bounded
+    set (method_label, STATUS_CLASSES, decision outcomes), so the dict stays small."""
+
+    __slots__ = ("_metric", "_fixed", "_names", "_bound")
+
+    def __init__(self, metric: MetricWrapperBase, names: tuple[str, ...] = (), **fixed: str) -> None:
+        self._metric = metric
+        self._fixed = fixed
+        self._names = names
+        self._bound: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *values: str) -> Any:
+        child = self._bound.get(values)
+        if child is None:
+            child = self._metric.labels(**self._fixed, **dict(zip(self._names, values, strict=True)))
+            self._bound[values] = child
+        return child
 
 
 class Metrics:
@@ -41,6 +73,10 @@ class Metrics:
         self.upstream_latency = Histogram(
             "gateway_upstream_latency_seconds", "Time from sending upstream to the response headers, by route.",
             ["route"], buckets=UPSTREAM_BUCKETS, registry=r,
+        )
+        self.shed = Counter(
+            "gateway_requests_shed", "Requests answered 503 at once because max_in_flight were already in flight.",
+            registry=r,
         )
         self.in_flight = Gauge(
             "gateway_requests_in_flight", "Requests being handled now.", registry=r, multiprocess_mode="livesum"

@@ -34,11 +34,12 @@ async def serve(config: GatewayConfig, *, access_log: str | None = None, workers
     """Serve until SIGTERM or SIGINT, then drain in-flight requests within `shutdown_grace`."""
     gateway = Gateway(config, multiprocess_metrics=workers > 1)
     await gateway.start()
-    public = web.AppRunner(
-        gateway.public_app,
+    public = web.ServerRunner(
+        gateway.public_server(
+            access_log=access_logger if access_log else None,
+            access_log_class=ACCESS_LOG_FORMATS[access_log or "text"],
+        ),
         shutdown_timeout=config.shutdown_grace,
-        access_log=access_logger if access_log else None,
-        access_log_class=ACCESS_LOG_FORMATS[access_log or "text"],
     )
     admin = web.AppRunner(gateway.admin_app, access_log=None, shutdown_timeout=config.shutdown_grace)
     await public.setup()
@@ -79,7 +80,7 @@ def os_reason(exc: OSError) -> str:
     return os.strerror(exc.errno) if exc.errno else str(exc)
 
 
-def _bound(runner: web.AppRunner) -> str:
+def _bound(runner: web.BaseRunner) -> str:
     host, port = runner.addresses[0][:2]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

@@ -44,7 +44,7 @@ async def running_gateway(config: GatewayConfig | str) -> AsyncIterator[RunningG
     )
     gateway = Gateway(config)
     await gateway.start()
-    public = web.AppRunner(gateway.public_app, access_log=None, shutdown_timeout=config.shutdown_grace)
+    public = web.ServerRunner(gateway.public_server(access_log=None), shutdown_timeout=config.shutdown_grace)
     admin = web.AppRunner(gateway.admin_app, access_log=None)
     await public.setup()
     await admin.setup()

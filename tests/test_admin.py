@@ -7,14 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 
-import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import __version__
 from gateway.metrics import KNOWN_METHODS, UNMATCHED_ROUTE
 from gateway.testing import running_gateway
 from tests.processes import RedisServer, eventually
+from tests.scrape import scrape, value
 
 POLL_DEADLINE = 10.0
 
@@ -37,22 +36,6 @@ routes:
   - match: {{path: /sink, methods: [POST]}}
     upstream: {upstream}
 """
-
-
-
-async def scrape(client: aiohttp.ClientSession, admin_url: str) -> tuple[str, list]:
-    async with client.get(admin_url + "/metrics") as response:
-        assert response.status == 200
-        assert response.headers["Content-Type"].startswith("text/plain")
-        text = await response.text()
-    samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
-    return text, samples
-
-
-def value(samples: list, name: str, **labels: str) -> float:
-    matching = [s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
-    assert len(matching) == 1, f"{name} {labels}: {matching}"
-    return matching[0]
 
 
 async def test_metrics_count_requests_decisions_and_latencies_by_route(upstream, client):

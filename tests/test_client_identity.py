@@ -8,6 +8,7 @@ Also: identity values are hashed to fixed-length keys (gateway.limiter.keys)."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 import aiohttp
@@ -15,6 +16,7 @@ import pytest
 from multidict import CIMultiDict
 
 from gateway.limiter.keys import DIGEST_BYTES, bucket_key, identity_digest
+from gateway.proxy.client_identity import ADDRESS_MEMO_SIZE, ClientIdentity
 from gateway.testing import running_gateway
 
 
@@ -225,3 +227,32 @@ def test_a_bucket_key_holds_the_digest_as_its_only_hash_tag():
     assert "sekrit" not in key
     other = bucket_key("rl:", "per_client", identity_digest(SECRET, "ip=192.0.2.1"))
     assert len(other) == len(key)
+
+
+# --- pure: the remembered addresses -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "answer"),
+    [
+        ("192.0.2.1", ("192.0.2.1", False)),
+        ("10.1.2.3", ("10.1.2.3", True)),
+        ("::ffff:10.1.2.3", ("10.1.2.3", True)),
+        ("[2001:DB8::1]:443", ("2001:db8::1", False)),
+        ("192.0.2.1:8080", ("192.0.2.1", False)),
+        ("unknown", (None, False)),
+        ("10.0.0.1" + " " * 100 + "x", (None, False)),
+    ],
+)
+def test_an_address_reads_the_same_when_remembered(text, answer):
+    identity = ClientIdentity([ipaddress.ip_network("10.0.0.0/8")])
+    assert identity.address(text) == answer
+    assert identity.address(text) == answer
+
+
+def test_the_remembered_addresses_stay_bounded_however_many_clients_come():
+    identity = ClientIdentity([])
+    for i in range(3 * ADDRESS_MEMO_SIZE):
+        text = f"2001:db8::{i + 1:x}"
+        assert identity.address(text) == (text, False)
+    assert len(identity._addresses) <= ADDRESS_MEMO_SIZE  # the memo itself: no public view of it

@@ -115,6 +115,7 @@ def test_defaults_when_only_routes_are_given():
     assert str(config.listen) == "0.0.0.0:8080"
     assert str(config.admin_listen) == "127.0.0.1:9090"
     assert config.workers == 1
+    assert config.max_in_flight == 1024
     assert config.store is None
     assert config.limits == ()
     assert config.routes[0].limits == ()
@@ -189,6 +190,12 @@ def test_shutdown_grace_and_zero_cost_are_accepted():
     config = parse("shutdown_grace: 1500ms\n" + ONE_LIMIT + ROUTE + "    limits: [{name: a, cost: 0}]\n")
     assert config.shutdown_grace == 1.5
     assert config.routes[0].limits[0].cost == 0
+
+
+def test_max_in_flight_is_read_and_may_come_from_the_environment():
+    assert parse("max_in_flight: 1\n" + ROUTE).max_in_flight == 1
+    config = parse("max_in_flight: ${GATEWAY_MAX_IN_FLIGHT:-256}\n" + ROUTE, {"GATEWAY_MAX_IN_FLIGHT": "4096"})
+    assert config.max_in_flight == 4096 and type(config.max_in_flight) is int
 
 
 def test_yaml_merge_keys_still_work():
@@ -299,6 +306,12 @@ ERROR_CASES = {
     "workers wrong type": ("workers: two\n" + ROUTE, "workers: expected an integer, got a string"),
     "workers is a boolean": ("workers: true\n" + ROUTE, "workers: expected an integer, got a boolean"),
     "workers zero": ("workers: 0\n" + ROUTE, "workers: expected an integer >= 1, got 0"),
+    "max_in_flight zero": ("max_in_flight: 0\n" + ROUTE, "max_in_flight: expected an integer >= 1, got 0"),
+    "max_in_flight negative": ("max_in_flight: -5\n" + ROUTE, "max_in_flight: expected an integer >= 1, got -5"),
+    "max_in_flight a fraction": ("max_in_flight: 1.5\n" + ROUTE, "max_in_flight: expected an integer, got a number"),
+    "max_in_flight a word": ("max_in_flight: lots\n" + ROUTE, "max_in_flight: expected an integer, got a string"),
+    "max_in_flight a boolean": ("max_in_flight: true\n" + ROUTE, "max_in_flight: expected an integer, got a boolean"),
+    "max_in_flight null": ("max_in_flight:\n" + ROUTE, "max_in_flight: expected an integer, got nothing (null)"),
     "burst wrong type": ("limits:\n  a: {rate: 1/second, burst: lots}\n" + ROUTE, "limits.a.burst: expected an integer"),
     "routes wrong type": ("routes: {path: /}\n", "routes: expected a list, got a mapping"),
     "limits wrong type": ("limits: [a]\n" + ROUTE, "limits: expected a mapping, got a list"),

@@ -19,6 +19,7 @@ from yarl import URL
 
 from gateway.testing import running_gateway
 from tests.processes import free_port
+from tests.scrape import scrape, value
 from tests.upstream import GZIP_TEXT
 
 RAW_TIMEOUT = 10.0
@@ -139,22 +140,29 @@ async def test_empty_request_and_response_bodies(gw, client):
         assert await response.read() == b""
 
 
-async def test_a_chunked_response_arrives_chunked_and_whole(gw):
+# A small body has usually arrived whole when the upstream's headers are read, and leaves
+# in one write with them; a large one streams. Either way the framing is kept.
+SMALL_AND_STREAMED = pytest.mark.parametrize("size", [100, 300000])
+
+
+@SMALL_AND_STREAMED
+async def test_a_chunked_response_arrives_chunked_and_whole(gw, size):
     status, headers, body = await raw_exchange(
-        gw.url, b"GET /stream?size=300000 HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n"
+        gw.url, f"GET /stream?size={size} HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n".encode()
     )
     assert status == 200
     # Exactly the gateway's own framing: the upstream's Transfer-Encoding was not copied on top of it.
     assert values(headers, "Transfer-Encoding") == ["chunked"]
     assert values(headers, "Content-Length") == []
-    assert body == b"x" * 300000
+    assert body == b"x" * size
 
 
-async def test_a_response_with_content_length_keeps_it(gw, client):
-    async with client.get(gw.url + "/stream?size=300000&length=1") as response:
-        assert response.headers["Content-Length"] == "300000"
+@SMALL_AND_STREAMED
+async def test_a_response_with_content_length_keeps_it(gw, client, size):
+    async with client.get(gw.url + f"/stream?size={size}&length=1") as response:
+        assert response.headers["Content-Length"] == str(size)
         assert "Transfer-Encoding" not in response.headers
-        assert len(await response.read()) == 300000
+        assert len(await response.read()) == size
 
 
 async def test_a_request_body_with_content_length_arrives_intact(gw, client):
@@ -330,6 +338,26 @@ async def test_connect_never_opens_a_tunnel(gw, decoy):
     assert status == 400
     assert values(headers, "Content-Type")[0].startswith("application/problem+json")
     assert json.loads(body)["status"] == 400
+
+
+
+@pytest.mark.parametrize(
+    ("head", "method", "status"),
+    [
+        ("OPTIONS * HTTP/1.1", "OPTIONS", 400),
+        ("CONNECT example.com:443 HTTP/1.1", "CONNECT", 400),
+        ("POST /echo/x HTTP/1.1\r\nContent-Length: 0\r\nExpect: 200-ok", "POST", 417),
+    ],
+)
+async def test_targets_and_expectations_the_gateway_refuses_get_a_problem_and_are_counted(
+    gw, client, head, method, status
+):
+    answer, headers, body = await raw_exchange(gw.url, f"{head}\r\nHost: gw\r\nConnection: close\r\n\r\n".encode())
+    assert answer == status
+    assert values(headers, "Content-Type") == ["application/problem+json; charset=utf-8"]
+    assert json.loads(body)["status"] == status
+    _, samples = await scrape(client, gw.admin_url)
+    assert value(samples, "gateway_requests_total", route="unmatched", method=method, status_class="4xx") == 1
 
 
 # --- WebSocket --------------------------------------------------------------------

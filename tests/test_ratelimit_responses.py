@@ -15,7 +15,8 @@ from multidict import CIMultiDict
 
 from gateway.config.model import Limit
 from gateway.limiter.limiter import LimitStatus
-from gateway.proxy.ratelimit_headers import most_restrictive, ratelimit_headers, retry_after_seconds
+from gateway.proxy.problem import ProblemTemplate, problem_body
+from gateway.proxy.ratelimit_headers import most_restrictive, policy, ratelimit_headers, retry_after_seconds
 from gateway.testing import config_from_yaml, running_gateway
 
 LIMITS = """
@@ -116,7 +117,7 @@ async def test_a_429_has_a_problem_body_naming_the_limit_and_retry_after_in_whol
     assert problem["title"] == "Too Many Requests"
     assert problem["type"]
     assert problem["limits"] == ["hourly"]
-    assert "'hourly'" in problem["detail"]
+    assert problem["detail"] == "Rate limit 'hourly' exceeded; retry in 3600 s."
     assert headers["RateLimit"] == '"hourly";r=0;t=3600'
 
 
@@ -160,6 +161,11 @@ def limits_by_name() -> dict[str, Limit]:
     return {limit.name: limit for limit in config.limits}
 
 
+def headers_for(*statuses: LimitStatus) -> dict[str, str]:
+    """The fields for `statuses`, with each limit's policy compiled as the route plan does."""
+    return ratelimit_headers(statuses, [policy(status.limit) for status in statuses])
+
+
 @pytest.mark.parametrize(
     ("seconds", "header"),
     [(0.0, 1), (0.001, 1), (0.5, 1), (1.0, 1), (1.0001, 2), (1.5, 2), (59.2, 60), (3599.9, 3600), (math.inf, 86400)],
@@ -170,9 +176,9 @@ def test_retry_after_seconds_rounds_up_to_at_least_one(seconds, header):
 
 def test_ratelimit_headers_floor_the_remaining_and_round_the_reset_up():
     limit = limits_by_name()["per_client"]  # 100/minute: 5/3 tokens a second
-    headers = ratelimit_headers([LimitStatus(limit=limit, cost=1, remaining=18.7, outcome="allow")])
+    headers = headers_for(LimitStatus(limit=limit, cost=1, remaining=18.7, outcome="allow"))
     assert headers == {"RateLimit-Policy": '"per_client";q=20;w=12', "RateLimit": '"per_client";r=18;t=1'}
-    full = ratelimit_headers([LimitStatus(limit=limit, cost=1, remaining=20.0, outcome="allow")])
+    full = headers_for(LimitStatus(limit=limit, cost=1, remaining=20.0, outcome="allow"))
     assert full["RateLimit"] == '"per_client";r=20;t=0'
 
 
@@ -180,13 +186,20 @@ def test_the_most_restrictive_limit_counts_requests_left_not_tokens():
     limits = limits_by_name()
     big_cost = LimitStatus(limit=limits["per_client"], cost=5, remaining=10.0, outcome="allow")  # 2 requests left
     small_cost = LimitStatus(limit=limits["tight"], cost=1, remaining=3.0, outcome="allow")  # 3 requests left
-    assert most_restrictive([small_cost, big_cost]) is big_cost
-    assert ratelimit_headers([small_cost, big_cost])["RateLimit-Policy"] == '"per_client";q=20;w=12'
+    assert most_restrictive([small_cost, big_cost]) == 1
+    assert headers_for(small_cost, big_cost)["RateLimit-Policy"] == '"per_client";q=20;w=12'
 
 
 def test_limits_with_unknown_remaining_are_not_described():
     limits = limits_by_name()
     unknown = LimitStatus(limit=limits["tight"], cost=1, remaining=None, outcome="fail_open")
     known = LimitStatus(limit=limits["per_client"], cost=1, remaining=5.0, outcome="fail_local")
-    assert ratelimit_headers([unknown]) == {}
-    assert ratelimit_headers([unknown, known])["RateLimit"].startswith('"per_client";r=5;')
+    assert headers_for(unknown) == {}
+    assert headers_for(unknown, known)["RateLimit"].startswith('"per_client";r=5;')
+
+
+def test_a_problem_template_fills_its_blank_as_a_body_made_whole_would_read():
+    template = ProblemTemplate.of(429, "Too Many Requests", "Rate limit 'a' exceeded; retry in {} s.", limits=("a",))
+    whole = problem_body(429, "Too Many Requests", "Rate limit 'a' exceeded; retry in 17 s.", limits=["a"])
+    assert template.body("17") == whole
+    assert json.loads(whole)["detail"] == "Rate limit 'a' exceeded; retry in 17 s."

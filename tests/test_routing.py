@@ -11,10 +11,10 @@ import aiohttp
 import pytest
 from yarl import URL
 
-from gateway.proxy.routing import Router, normalize_path, path_has_prefix
+from gateway.proxy.routing import Router, normalize_path
 from gateway.testing import config_from_yaml, running_gateway
 
-# --- pure: normalize_path, path_has_prefix, Router ---------------------------------
+# --- pure: normalize_path, Router ---------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -56,7 +56,8 @@ def test_normalize_path_removes_dot_and_empty_segments(path, normal):
     ],
 )
 def test_a_path_prefix_matches_whole_segments_only(path, prefix, matches):
-    assert path_has_prefix(path, prefix) is matches
+    config = config_from_yaml(f"routes:\n  - match: {{path: {prefix}}}\n    upstream: http://up.internal\n")
+    assert (Router(config.routes).find("GET", "gw", path) is not None) is matches
 
 
 ROUTER_CONFIG = """

@@ -60,6 +60,34 @@ async def slow(request: web.Request) -> web.Response:
     return web.Response(text="slow")
 
 
+class Held:
+    """Requests to /held wait until the test releases them all (POST /held/release);
+    GET /held/arrived says how many have come, so a test knows what is in flight."""
+
+    def __init__(self) -> None:
+        self.arrived = 0
+        self.released = asyncio.Event()
+
+
+HELD = web.AppKey("held", Held)
+
+
+async def held(request: web.Request) -> web.Response:
+    gate = request.app[HELD]
+    gate.arrived += 1
+    await gate.released.wait()
+    return web.Response(text="held")
+
+
+async def held_arrived(request: web.Request) -> web.Response:
+    return web.json_response({"arrived": request.app[HELD].arrived})
+
+
+async def held_release(request: web.Request) -> web.Response:
+    request.app[HELD].released.set()
+    return web.Response(text="released")
+
+
 async def gzipped(_: web.Request) -> web.Response:
     return web.Response(
         body=gzip.compress(GZIP_TEXT), headers={"Content-Encoding": "gzip", "Content-Type": "text/plain"}
@@ -116,6 +144,10 @@ def upstream_app() -> web.Application:
     app.router.add_post("/sink", sink)
     app.router.add_get("/stream", stream)
     app.router.add_get("/slow", slow)
+    app[HELD] = Held()
+    app.router.add_get("/held", held)
+    app.router.add_get("/held/arrived", held_arrived)
+    app.router.add_post("/held/release", held_release)
     app.router.add_get("/gzip", gzipped)
     app.router.add_get("/set-cookie", set_cookie)
     app.router.add_get("/redirect", redirect)

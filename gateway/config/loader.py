@@ -42,6 +42,7 @@ DEFAULT_ADMIN_LISTEN = "127.0.0.1:9090"
 # Long enough for ordinary API calls to finish, short enough for an orchestrator's
 # default 30 s termination grace period.
 DEFAULT_SHUTDOWN_GRACE = "20s"
+DEFAULT_MAX_IN_FLIGHT = 1024  # per process; wrk: req/s flat from 100 to 2000 in flight, falling by 4000, so ~0.5 s of queue
 DEFAULT_CONNECT_TIMEOUT = "5s"
 DEFAULT_READ_TIMEOUT = "60s"
 STORE_SCHEMES = ("redis", "rediss", "unix")
@@ -203,11 +204,12 @@ def _build(document: Any, r: _Reader) -> GatewayConfig:
         document,
         "",
         required=("routes",),
-        optional=("listen", "admin_listen", "workers", "store", "trusted_proxies", "limits", "shutdown_grace"),
+        optional=("listen", "admin_listen", "workers", "max_in_flight", "store", "trusted_proxies", "limits", "shutdown_grace"),
     )
     listen = r.parsed(parse_address, top.get("listen", DEFAULT_LISTEN), "listen")
     admin_listen = r.parsed(parse_address, top.get("admin_listen", DEFAULT_ADMIN_LISTEN), "admin_listen")
     workers = r.integer(top.get("workers", 1), "workers", minimum=1)
+    max_in_flight = r.integer(top.get("max_in_flight", DEFAULT_MAX_IN_FLIGHT), "max_in_flight", minimum=1)
     store = _store(top["store"], r) if top.get("store") is not None else None
     if workers > 1 and store is None:
         r.fail(
@@ -236,6 +238,7 @@ def _build(document: Any, r: _Reader) -> GatewayConfig:
         listen=listen,
         admin_listen=admin_listen,
         workers=workers,
+        max_in_flight=max_in_flight,
         store=store,
         trusted_proxies=trusted,
         limits=tuple(limits.values()),

@@ -100,6 +100,7 @@ class GatewayConfig:
     listen: Address
     admin_listen: Address
     workers: int
+    max_in_flight: int  # per worker process; past it, requests are shed with 503
     store: StoreConfig | None
     trusted_proxies: tuple[IPNetwork, ...]
     limits: tuple[Limit, ...]

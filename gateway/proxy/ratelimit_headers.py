@@ -13,26 +13,39 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from gateway.config.model import Limit
 from gateway.limiter.limiter import LimitStatus
 
 
-def most_restrictive(statuses: Sequence[LimitStatus]) -> LimitStatus | None:
-    known = [s for s in statuses if s.remaining is not None]
-    if not known:
-        return None
-    return min(known, key=lambda s: (s.remaining // max(s.cost, 1), -s.limit.refill_seconds))
+def most_restrictive(statuses: Sequence[LimitStatus]) -> int | None:
+    """The index of the status with the fewest requests left, or None if none is known."""
+    best: int | None = None
+    best_rank: tuple[float, float] | None = None
+    for index, status in enumerate(statuses):
+        if status.remaining is None:
+            continue
+        rank = (status.remaining // max(status.cost, 1), -status.limit.refill_seconds)
+        if best_rank is None or rank < best_rank:
+            best, best_rank = index, rank
+    return best
 
 
-def ratelimit_headers(statuses: Sequence[LimitStatus]) -> dict[str, str]:
-    status = most_restrictive(statuses)
-    if status is None:
+def policy(limit: Limit) -> str:
+    """The RateLimit-Policy value of `limit`, which depends on the config alone."""
+    return f'"{limit.name}";q={math.floor(limit.burst)};w={max(1, math.ceil(limit.refill_seconds))}'
+
+
+def ratelimit_headers(statuses: Sequence[LimitStatus], policies: Sequence[str]) -> dict[str, str]:
+    """The fields for a decision; `policies[i]` is `policy()` of `statuses[i].limit`."""
+    index = most_restrictive(statuses)
+    if index is None:
         return {}
+    status = statuses[index]
     limit = status.limit
     remaining = max(0.0, status.remaining or 0.0)
-    window = max(1, math.ceil(limit.refill_seconds))
     reset = math.ceil((limit.burst - remaining) / limit.rate.per_second) if remaining < limit.burst else 0
     return {
-        "RateLimit-Policy": f'"{limit.name}";q={math.floor(limit.burst)};w={window}',
+        "RateLimit-Policy": policies[index],
         "RateLimit": f'"{limit.name}";r={math.floor(remaining)};t={reset}',
     }
 

@@ -17,13 +17,15 @@ from gateway.proxy.problem import problem
 _HANDSHAKE_HEADERS = ("Sec-WebSocket-Key", "Sec-WebSocket-Version", "Sec-WebSocket-Extensions", "Sec-WebSocket-Protocol")
 
 
-def is_websocket_upgrade(request: web.Request) -> bool:
+def is_websocket_upgrade(request: web.BaseRequest) -> bool:
+    if request.headers.get("Upgrade", "").lower() != "websocket":
+        return False  # most requests: no need to read Connection
     connection = {t.strip().lower() for line in request.headers.getall("Connection", ()) for t in line.split(",")}
-    return "upgrade" in connection and request.headers.get("Upgrade", "").lower() == "websocket"
+    return "upgrade" in connection
 
 
 async def proxy_websocket(
-    request: web.Request,
+    request: web.BaseRequest,
     session: aiohttp.ClientSession,
     url: URL,
     headers: CIMultiDict[str],

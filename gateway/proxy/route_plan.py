@@ -1,0 +1,146 @@
+"""The config compiled for the request path: one plan per route, built once at start.
+
+Whatever a request needs that depends on the config alone is made here and
+only read per request: each route's metric children (with its label), its
+upstream base URL and timeouts, the prefix it strips, and for each of its
+limits the identity key, the RateLimit-Policy value and the rejection bodies.
+`Plans` holds every plan and every cache keyed by them, so a reload can build
+new ones and swap a single reference.
+
+Trusts the config, which `gateway.config.loader` has validated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import aiohttp
+from yarl import URL
+
+from gateway.config.model import GatewayConfig, Limit, Match, Route
+from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics
+from gateway.proxy.client_identity import ClientIdentity, IdentityKey
+from gateway.proxy.problem import ProblemTemplate, problem_body
+from gateway.proxy.ratelimit_headers import policy
+from gateway.proxy.routing import Router
+
+
+@dataclass(frozen=True, slots=True)
+class LimitPlan:
+    limit: Limit
+    cost: int
+    key: IdentityKey
+    decisions: Children  # gateway_limiter_decisions_total for this route and limit, by decision
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixStrip:
+    """A route's `strip_prefix`: its path prefix, decoded and as it appears in a raw path."""
+
+    prefix: str
+    raw: str
+    raw_under: str  # `raw` + "/"
+
+    @classmethod
+    def of(cls, prefix: str) -> PrefixStrip:
+        raw = URL.build(path=prefix).raw_path
+        return cls(prefix=prefix, raw=raw, raw_under=raw + "/")
+
+    def rest(self, raw_path: str, path: str, normalized: str) -> str:
+        """The raw path after the prefix. When the decoded `path` is already `normalized`,
+        the rest keeps the client's own encoding, so an encoded slash (`group%2Fproject`)
+        stays inside its segment; otherwise the rest is rebuilt from the normalized path."""
+        if normalized == path and (raw_path == self.raw or raw_path.startswith(self.raw_under)):
+            return raw_path[len(self.raw) :] or "/"
+        rest = normalized[len(self.prefix) :]
+        return URL.build(path=rest if rest.startswith("/") else "/" + rest).raw_path
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePlan:
+    match: Match
+    upstream: str  # base URL, without a trailing slash
+    strip: PrefixStrip | None
+    preserve_host: bool
+    timeout: aiohttp.ClientTimeout
+    limits: tuple[LimitPlan, ...]
+    policies: tuple[str, ...]  # RateLimit-Policy of each limit, in order
+    upstream_timeout: bytes  # the 504 body
+    requests: Children  # gateway_requests_total for this route, by method and status class
+    upstream_latency: Children
+    # (status, limit names) -> body of a 429 or a fail-closed 503; one per subset of `limits` at most
+    _rejections: dict[tuple[int, tuple[str, ...]], ProblemTemplate] = field(default_factory=dict, repr=False)
+
+    def rejection(self, status: int, names: tuple[str, ...]) -> ProblemTemplate:
+        """The body of a 429 (its blank: the seconds to wait) or of a fail-closed 503, naming `names`."""
+        template = self._rejections.get((status, names))
+        if template is None:
+            if status == 503:
+                template = ProblemTemplate.of(
+                    503,
+                    "Service Unavailable",
+                    "The rate-limit store is unavailable and this limit fails closed.",
+                    limits=names,
+                )
+            else:
+                listed = ", ".join(repr(name) for name in names)
+                template = ProblemTemplate.of(
+                    429, "Too Many Requests", f"Rate limit {listed} exceeded; retry in {{}} s.", limits=names
+                )
+            self._rejections[(status, names)] = template
+        return template
+
+
+@dataclass(frozen=True, slots=True)
+class Plans:
+    """Everything the request path reads, compiled from one config."""
+
+    router: Router[RoutePlan]
+    identity: ClientIdentity
+    unmatched: Children  # gateway_requests_total for requests no route takes, by method and status class
+    upstreams: tuple[str, ...]
+    max_in_flight: int
+    shed: bytes  # the 503 body past max_in_flight
+
+
+def compile_plans(config: GatewayConfig, metrics: Metrics) -> Plans:
+    routes = tuple(_route_plan(route, metrics) for route in config.routes)
+    return Plans(
+        router=Router(routes),
+        identity=ClientIdentity(config.trusted_proxies),
+        unmatched=Children(metrics.requests, ("method", "status_class"), route=UNMATCHED_ROUTE),
+        upstreams=tuple(sorted({plan.upstream for plan in routes})),
+        max_in_flight=config.max_in_flight,
+        shed=problem_body(
+            503, "Service Unavailable", "The gateway has as many requests in flight as it takes; retry shortly."
+        ),
+    )
+
+
+def _route_plan(route: Route, metrics: Metrics) -> RoutePlan:
+    label = route.label  # the route in metrics, formed once for all its children
+    timeout = route.timeout
+    return RoutePlan(
+        match=route.match,
+        upstream=route.upstream,
+        strip=PrefixStrip.of(route.match.path) if route.strip_prefix and route.match.path != "/" else None,
+        preserve_host=route.preserve_host,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout.connect, sock_read=timeout.read),
+        limits=tuple(
+            LimitPlan(
+                limit=rl.limit,
+                cost=rl.cost,
+                key=IdentityKey.of(rl.limit.key),
+                decisions=Children(metrics.decisions, ("decision",), route=label, limit=rl.limit.name),
+            )
+            for rl in route.limits
+        ),
+        policies=tuple(policy(rl.limit) for rl in route.limits),
+        upstream_timeout=problem_body(
+            504,
+            "Gateway Timeout",
+            f"The upstream did not answer in time (connect {timeout.connect:g} s, read {timeout.read:g} s).",
+        ),
+        requests=Children(metrics.requests, ("method", "status_class"), route=label),
+        upstream_latency=Children(metrics.upstream_latency, route=label),
+    )
