@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import collections
+
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+
+from tests.processes import eventually
 
 
 async def scrape(client: aiohttp.ClientSession, admin_url: str) -> tuple[str, list[Sample]]:
@@ -22,3 +26,23 @@ def value(samples: list[Sample], name: str, **labels: str) -> float:
     matching = [s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
     assert len(matching) == 1, f"{name} {labels}: {matching}"
     return matching[0]
+
+
+async def decisions(client: aiohttp.ClientSession, admin_url: str) -> dict[tuple[str, str], float]:
+    """gateway_limiter_decisions_total by (limit, decision)."""
+    counts: dict[tuple[str, str], float] = collections.defaultdict(float)
+    for sample in (await scrape(client, admin_url))[1]:
+        if sample.name == "gateway_limiter_decisions_total":
+            counts[sample.labels["limit"], sample.labels["decision"]] += sample.value
+    return counts
+
+
+async def settled_decisions(client: aiohttp.ClientSession, admin_url: str) -> dict[tuple[str, str], float]:
+    """`decisions` once no request is in flight: a load generator that stopped leaves
+    requests still being answered, and each is counted only when it is decided."""
+
+    async def idle() -> bool:
+        return value((await scrape(client, admin_url))[1], "gateway_requests_in_flight") == 0
+
+    await eventually(idle, what="the gateway to finish the requests in flight")
+    return await decisions(client, admin_url)

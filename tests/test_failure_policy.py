@@ -14,7 +14,7 @@ import time
 import aiohttp
 
 from gateway.testing import running_gateway
-from tests.metrics_reading import decisions
+from tests.scrape import decisions
 
 
 def gateway_yaml(store_url: str, upstream: str, *, local_divisor: int = 1, with_closed: bool = True) -> str:

@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 
 from tests.examples import ONE_REDIS_LIMIT
-from tests.metrics_reading import settled_decisions
+from tests.scrape import settled_decisions
 from tests.processes import GatewayProcess
 
 WRK = shutil.which("wrk") or "/usr/bin/wrk"

@@ -18,7 +18,7 @@ import aiohttp
 import redis.asyncio
 
 from tests.examples import ONE_REDIS_LIMIT
-from tests.metrics_reading import settled_decisions
+from tests.scrape import settled_decisions
 from tests.processes import GatewayProcess
 
 GATEWAYS = 4
