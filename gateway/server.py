@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing
 import os
@@ -24,6 +25,11 @@ log = logging.getLogger("gateway")
 
 # A worker that could not start exits with this, as `gateway run` itself would.
 EXIT_STARTUP = 2
+# A request allocates a few dozen short-lived objects, so with CPython's default (700)
+# the collector ran 485 times in 11,000 limited requests under wrk -c50, for 195 ms
+# (17 us a request, ~5% of its CPU). At 20,000, with startup objects frozen: twice,
+# 0.3 ms in all.
+GC_YOUNG_THRESHOLD = 20_000
 
 
 class StartupError(Exception):
@@ -34,6 +40,9 @@ async def serve(config: GatewayConfig, *, access_log: str | None = None, workers
     """Serve until SIGTERM or SIGINT, then drain in-flight requests within `shutdown_grace`."""
     gateway = Gateway(config, multiprocess_metrics=workers > 1)
     await gateway.start()
+    # Everything built so far lives as long as the process: no collection need walk it.
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     public = web.ServerRunner(
         gateway.public_server(
             access_log=access_logger if access_log else None,

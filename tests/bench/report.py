@@ -225,6 +225,7 @@ def render(results: Results, settings: Settings) -> str:
         "",
         f"- Machine: {machine_line(results.event_loop)}",
         f"- Load average (1 min) before the run, from other work: {results.load_average_before:.2f}",
+        "- Redis: a private redis-server at real-time CPU priority, standing in for a host of its own",
         f"- Code: {code_version()}",
         f"- Throughput: wrk -t{settings.threads} -c{settings.connections}, {_rounds(settings.rounds)} × "
         f"{settings.duration} s per variant, variants interleaved in each round; medians over the rounds",
