@@ -327,3 +327,27 @@ async def test_a_command_written_right_after_connecting_times_out_at_its_own_dea
     error = command.exception()  # if not by its deadline, failed by closing the connection
     assert command in done
     assert reason(error) == "no answer within 20 ms"
+
+
+async def busy_loop_then_collect(url: str, blocked_seconds: float) -> list[Any]:
+    """Write 100 commands, then hold the event loop for `blocked_seconds`, as a gateway
+    busy with other requests does, while Redis answers them within microseconds."""
+    async with connected(url, timeout=0.01) as connection:
+        replies = [connection.execute("INCR", "busy") for _ in range(100)]
+        await asyncio.sleep(0)  # the batch is written
+        asyncio.get_running_loop().call_soon(time.sleep, blocked_seconds)
+        return await asyncio.gather(*replies, return_exceptions=True)
+
+
+@pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
+def test_a_reply_that_waited_for_a_busy_event_loop_is_an_answer_not_a_timeout(redis_server, loop_name):
+    """The loop is blocked for five times the 10 ms timeout after the batch is written:
+    the replies sit in the socket, and the first poll afterwards reads them before
+    any deadline is judged. `asyncio.timeout` around each await, given the same
+    block, timed out all 100 on both event loops."""
+    import uvloop
+
+    new_loop = uvloop.new_event_loop if loop_name == "uvloop" else asyncio.new_event_loop
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        answers = runner.run(busy_loop_then_collect(redis_server.url, 0.05))
+    assert answers == list(range(1, 101))
