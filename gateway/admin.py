@@ -28,6 +28,7 @@ def admin_app(config: GatewayConfig, limiter: Limiter, metrics: Metrics) -> web.
             "store": limiter.store.description,
             "store_state": "ok" if reachable else "unreachable",
             "detail": detail,
+            "breaker": limiter.breaker.state.value,
         }
         return web.json_response(body, status=200 if ready else 503)
 

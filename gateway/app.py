@@ -12,7 +12,7 @@ from gateway.config.model import GatewayConfig
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.store import StoreError
 from gateway.limiter.store_factory import make_store
-from gateway.metrics import Metrics
+from gateway.metrics import Metrics, breaker_gauge_setter
 from gateway.proxy.handler import ProxyHandler
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,7 @@ class Gateway:
             self.store,
             local_divisor=config.store.local_divisor if config.store else 1,
             shared_store=config.store is not None,
+            on_breaker_change=breaker_gauge_setter(self.metrics.store_breaker),
         )
         self.handler = ProxyHandler(config, self.limiter, self.metrics)
         self.admin_app = admin_app(config, self.limiter, self.metrics)

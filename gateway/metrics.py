@@ -3,6 +3,7 @@ routes are labelled by their configured match, methods by a fixed set."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -10,6 +11,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from gateway import __version__
+from gateway.limiter.circuit_breaker import BreakerState
 
 # Anything else a client sends is counted as OTHER, so clients cannot mint label values.
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "CONNECT", "TRACE"})
@@ -81,6 +83,10 @@ class Metrics:
         self.in_flight = Gauge(
             "gateway_requests_in_flight", "Requests being handled now.", registry=r, multiprocess_mode="livesum"
         )
+        self.store_breaker = Gauge(
+            "gateway_store_breaker", "Worker processes whose store circuit breaker is in each state (closed, open, half_open).",
+            ["state"], registry=r, multiprocess_mode="livesum",
+        )
         build = Gauge(
             "gateway_build_info", "The running gateway's version.", ["version"], registry=r, multiprocess_mode="max"
         )
@@ -93,3 +99,14 @@ class Metrics:
         combined = CollectorRegistry()
         MultiProcessCollector(combined)
         return combined
+
+
+def breaker_gauge_setter(gauge: Gauge) -> Callable[[BreakerState], None]:
+    """Keep `gateway_store_breaker` at 1 for the breaker's state and 0 for the others."""
+    children = {state: gauge.labels(state=state.value) for state in BreakerState}
+
+    def set_state(current: BreakerState) -> None:
+        for state, child in children.items():
+            child.set(1 if state is current else 0)
+
+    return set_state

@@ -9,13 +9,15 @@ are the global ones divided by `store.local_divisor`.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.config.model import FailurePolicy, Limit
+from gateway.limiter.circuit_breaker import BreakerState, CircuitBreaker
 from gateway.limiter.client_waves import ClientWaves
 from gateway.limiter.denial_cache import CachedDenial, DenialCache
 from gateway.limiter.memory_store import MemoryStore
@@ -52,15 +54,29 @@ class Decision:
 UNLIMITED = Decision(allowed=True, statuses=(), retry_after=0.0, store_failed=False)
 
 
+# What a check is told while the circuit breaker keeps it from the store.
+BREAKER_OPEN = StoreError("the store failed repeatedly; circuit breaker open")
+
+
 class Limiter:
     """`shared_store`: the store is shared with other gateways over the network (Redis).
     Then a bucket found short of its cost is answered locally until it could pay
-    (`gateway.limiter.denial_cache`), and one client's concurrent checks reach the
-    store in waves (`gateway.limiter.client_waves`). Both are exact."""
+    (`gateway.limiter.denial_cache`), one client's concurrent checks reach the
+    store in waves (`gateway.limiter.client_waves`), and a store that keeps failing
+    is left alone for a while (`gateway.limiter.circuit_breaker`).
+    `on_breaker_change` is told each new breaker state, for the metric."""
 
-    def __init__(self, store: Store, *, local_divisor: int = 1, shared_store: bool = False) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        local_divisor: int = 1,
+        shared_store: bool = False,
+        on_breaker_change: Callable[[BreakerState], None] | None = None,
+    ) -> None:
         self.store = store
         self.denials = DenialCache() if shared_store else None
+        self.breaker = CircuitBreaker(on_change=on_breaker_change)
         self._waves = ClientWaves()
         self._local_divisor = local_divisor
         self._local_store = MemoryStore()
@@ -94,7 +110,18 @@ class Limiter:
                 if cached is not None:
                     return _cached_denial(checks, cached)
             sent_at = time.monotonic()
-            answer = await self.store.check(checks)
+            if not self.breaker.allows(sent_at):
+                error = BREAKER_OPEN
+                return self._on_store_error(checks, error)
+            try:
+                answer = await self.store.check(checks)
+            except StoreError:
+                self.breaker.failed(time.monotonic())
+                raise
+            except asyncio.CancelledError:
+                self.breaker.abandoned(time.monotonic())
+                raise
+            self.breaker.succeeded()
             # Allowed or not, a bucket left short of its cost cannot pass until it refills.
             for c, left in zip(checks, answer.remaining):
                 if left < c.cost:
