@@ -66,6 +66,7 @@ class RedisStore:
         self._secret: bytes | None = config.key_secret.encode() if config.key_secret else None
         self._secret_read_at = 0.0
         self._sharing_secret: asyncio.Future[None] | None = None
+        self._rereading: asyncio.Future[None] | None = None
         self._args_cache: dict[tuple[int, int], tuple[Limit, tuple[bytes, bytes, bytes]]] = {}
         self._setup_timeout = max(config.timeout, SETUP_TIMEOUT_FLOOR)
         self._connection = RedisConnection(
@@ -87,7 +88,9 @@ class RedisStore:
         await self._connection.execute("PING", timeout=max(self._config.timeout, 0.25))
 
     async def close(self) -> None:
-        await self._connection.close()
+        if self._rereading is not None:
+            self._rereading.cancel()
+        await self._connection.close()  # fails an exchange in flight with StoreError
 
     async def check(self, checks: Sequence[LimitCheck]) -> StoreDecision:
         if self._secret is None:
@@ -124,7 +127,7 @@ class RedisStore:
         The first gateway to start picks it and the rest read it. A Redis that
         restarted empty has lost it: the secret this gateway already hashes with is
         offered again, so gateways started before and after the restart agree."""
-        if self._sharing_secret is None:
+        if self._sharing_secret is None or self._sharing_secret.done():
             self._sharing_secret = asyncio.ensure_future(self._exchange_secret())
         sharing = self._sharing_secret
         try:
@@ -157,13 +160,14 @@ class RedisStore:
         A Redis that restarted empty may have been given a new secret by a gateway
         that started since; without this, older gateways would keep hashing with
         the old one and every client would get one bucket per secret."""
-        if self._config.key_secret or self._sharing_secret is not None:
+        if self._config.key_secret or (self._sharing_secret is not None and not self._sharing_secret.done()):
             return
         now = time.monotonic()
         if now - self._secret_read_at < SECRET_REREAD_SECONDS:
             return
         self._secret_read_at = now
-        asyncio.ensure_future(self._reread_secret())
+        # Kept: the event loop holds tasks only weakly.
+        self._rereading = asyncio.ensure_future(self._reread_secret())
 
     async def _reread_secret(self) -> None:
         try:
