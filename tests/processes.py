@@ -120,6 +120,48 @@ class RedisServer:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+class SentinelServer:
+    """A private Redis Sentinel on a free port, monitoring `master_port` as `service`,
+    with short failure timers so a failover takes about a second."""
+
+    DOWN_AFTER_MS = 500
+    FAILOVER_TIMEOUT_MS = 3000
+
+    def __init__(self, master_port: int, *, service: str = "mymaster", quorum: int = 2) -> None:
+        self.port = free_port()
+        self._dir = tempfile.mkdtemp(prefix="gateway-test-sentinel-")
+        self._config = Path(self._dir) / "sentinel.conf"
+        self._config.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndaemonize no\ndir {self._dir}\n"
+            f"sentinel monitor {service} 127.0.0.1 {master_port} {quorum}\n"
+            f"sentinel down-after-milliseconds {service} {self.DOWN_AFTER_MS}\n"
+            f"sentinel failover-timeout {service} {self.FAILOVER_TIMEOUT_MS}\n"
+        )
+        self.process: subprocess.Popen | None = None
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=5, decode_responses=True)
+
+    def __enter__(self) -> SentinelServer:
+        self.process = subprocess.Popen(
+            [REDIS_SERVER, str(self._config), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        wait_until(self._answers, what=f"redis sentinel on port {self.port}")
+        return self
+
+    def _answers(self) -> bool:
+        try:
+            return bool(redis.Redis(port=self.port, socket_timeout=0.2).ping())
+        except redis.RedisError:
+            return False
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
 _LISTENING_RE = re.compile(r"listening on http://(\S+):(\d+) \(admin http://(\S+):(\d+)\)")
 
 

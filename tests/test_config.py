@@ -8,6 +8,7 @@ import pytest
 
 from gateway.config import ConfigError, GatewayConfig, load_config, parse_config
 from gateway.config.model import FailurePolicy, IdentitySource
+from gateway.limiter.redis_sentinel import parse_sentinel_url
 from tests.examples import ISSUE_EXAMPLE
 
 SOURCE = "gw.yaml"
@@ -169,6 +170,14 @@ def test_match_host_methods_strip_prefix_and_timeouts():
     assert route.limits[0].cost == 1
 
 
+def test_a_sentinel_url_names_the_sentinels_and_the_master():
+    config = parse("store: {url: 'redis+sentinel://gw:p%40ss@s1:26380,[::1],s3:1/mymaster?db=2'}\n" + ROUTE)
+    assert config.store is not None
+    service = parse_sentinel_url(config.store.url)
+    assert service.sentinels == (("s1", 26380), ("::1", 26379), ("s3", 1))
+    assert (service.service, service.username, service.password, service.db) == ("mymaster", "gw", "p@ss", 2)
+
+
 def test_store_options_are_read():
     config = parse(
         "store:\n  url: rediss://user:pw@redis.internal:6380/3\n  timeout: 25ms\n  prefix: 'gw:'\n"
@@ -320,6 +329,10 @@ ERROR_CASES = {
         "routes[0].strip_prefix: expected true or false"),
     "bad rate": ("limits:\n  a: {rate: 100/fortnight}\n" + ROUTE, "limits.a.rate: expected a rate such as 100/minute"),
     "rate as a number": ("limits:\n  a: {rate: 100}\n" + ROUTE, "limits.a.rate: expected a rate"),
+    "sentinel url with a bad port": (
+        "store: {url: 'redis+sentinel://h1:x,h2/mymaster'}\n" + ROUTE, "store.url: expected sentinels as in"),
+    "sentinel url without a master name": (
+        "store: {url: 'redis+sentinel://h1:26379'}\n" + ROUTE, "store.url: expected the monitored master's name"),
     "store max_connections, replaced by pipelining": (
         "store: {url: 'redis://h/0', max_connections: 8}\n" + ROUTE, "store.max_connections: no longer used"),
     "store max_pending zero": ("store: {url: 'redis://h/0', max_pending: 0}\n" + ROUTE, "store.max_pending: expected"),

@@ -95,3 +95,32 @@ def parse_address(value: object) -> Address:
     if port > 65535:
         raise ValueError(f"port must be 0..65535, got {port}")
     return Address(host=host, port=port)
+
+
+# Sentinel's own default port, used when a sentinel in a URL names none.
+DEFAULT_SENTINEL_PORT = 26379
+
+
+def split_sentinel_hosts(netloc: str) -> list[tuple[str, int]]:
+    """`h1:26379,[::1]:26380` (any user info removed) as (host, port) pairs; raises ValueError."""
+    hosts = []
+    for item in netloc.rpartition("@")[2].split(","):
+        host, port = _host_port(item.strip())
+        hosts.append((host, port))
+    return hosts
+
+
+def _host_port(item: str) -> tuple[str, int]:
+    if item.startswith("["):
+        host, _, rest = item[1:].partition("]")
+        port = rest.removeprefix(":")
+    else:
+        host, _, port = item.partition(":")
+    if not host:
+        raise ValueError(f"no host in {item!r}")
+    if port and not port.isdigit():
+        raise ValueError(f"bad port in {item!r}")
+    number = int(port) if port else DEFAULT_SENTINEL_PORT
+    if not 0 < number < 65536:
+        raise ValueError(f"bad port in {item!r}")
+    return host, number

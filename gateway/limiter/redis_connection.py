@@ -29,7 +29,7 @@ import itertools
 import logging
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -132,8 +132,11 @@ class RedisConnection:
         max_pending: int = DEFAULT_MAX_PENDING,
         max_batch: int = DEFAULT_MAX_BATCH,
         on_connect: Callable[[], None] | None = None,
+        resolve: Callable[[], Awaitable[RedisAddress]] | None = None,
     ) -> None:
+        """`resolve`, when given, names the node afresh before each connect (Sentinel)."""
         self.address = address
+        self._resolve = resolve
         self.timeout = timeout
         self._connect_timeout = connect_timeout
         self._max_pending = max_pending
@@ -253,6 +256,10 @@ class RedisConnection:
                     continue  # timed out or cancelled: read and dropped, in order
                 if isinstance(reply, hiredis.ReplyError):
                     command.future.set_exception(RedisReplyError(self.address, str(reply)))
+                    if str(reply).startswith("READONLY") and self._resolve is not None:
+                        # A failover demoted this node: find the master again.
+                        self._lose("the node is a replica now")
+                        return
                 else:
                     command.future.set_result(reply)
         except hiredis.ProtocolError as exc:
@@ -315,6 +322,8 @@ class RedisConnection:
         self._reader = hiredis.Reader()
         try:
             async with asyncio.timeout(self._connect_timeout):
+                if self._resolve is not None:
+                    address = self.address = await self._resolve()
                 if address.unix_path:
                     transport, _ = await loop.create_unix_connection(lambda: _Protocol(self), address.unix_path)
                 else:
@@ -353,10 +362,15 @@ class RedisConnection:
         if address.db:
             replies.append(self.execute("SELECT", address.db, timeout=self._connect_timeout))
         replies.append(self.execute("PING", timeout=self._connect_timeout))
+        if self._resolve is not None:  # a sentinel's answer may be stale: the node must be the master
+            replies.append(self.execute("ROLE", timeout=self._connect_timeout))
         # Every reply is awaited, so a failed AUTH leaves no unread NOAUTH behind it.
-        for reply in await asyncio.gather(*replies, return_exceptions=True):
+        answers = await asyncio.gather(*replies, return_exceptions=True)
+        for reply in answers:
             if isinstance(reply, BaseException):
                 raise reply
+        if self._resolve is not None and answers[-1][0] != b"master":
+            raise StoreError(f"redis {address}: named as the master, but its role is {answers[-1][0].decode()}")
 
     def _abort(self) -> None:
         transport, self._transport = self._transport, None

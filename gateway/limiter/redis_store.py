@@ -20,13 +20,14 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from importlib import resources
 from urllib.parse import urlsplit, urlunsplit
 
 from gateway.config.model import Limit, StoreConfig
 from gateway.limiter.keys import bucket_key, identity_digest
-from gateway.limiter.redis_connection import RedisConnection, RedisReplyError, parse_redis_url
+from gateway.limiter import redis_sentinel
+from gateway.limiter.redis_connection import RedisAddress, RedisConnection, RedisReplyError, parse_redis_url
 from gateway.limiter.store import LimitCheck, StoreDecision, StoreError
 
 log = logging.getLogger(__name__)
@@ -69,11 +70,23 @@ class RedisStore:
         self._rereading: asyncio.Future[None] | None = None
         self._args_cache: dict[tuple[int, int], tuple[Limit, tuple[bytes, bytes, bytes]]] = {}
         self._setup_timeout = max(config.timeout, SETUP_TIMEOUT_FLOOR)
+        connect_timeout = max(config.timeout * 10, SETUP_TIMEOUT_FLOOR)
+        if urlsplit(config.url).scheme == redis_sentinel.SCHEME:
+            service = redis_sentinel.parse_sentinel_url(config.url)
+            address = RedisAddress(host=service.sentinels[0][0], port=service.sentinels[0][1])
+
+            async def master() -> RedisAddress:
+                return await redis_sentinel.master_address(service, timeout=connect_timeout / len(service.sentinels))
+
+            resolve: Callable[[], Awaitable[RedisAddress]] | None = master
+        else:
+            address, resolve = parse_redis_url(config.url, tls_ca_file=config.tls_ca_file), None
         self._connection = RedisConnection(
-            parse_redis_url(config.url, tls_ca_file=config.tls_ca_file),
+            address,
             timeout=config.timeout,
-            connect_timeout=max(config.timeout * 10, SETUP_TIMEOUT_FLOOR),
+            connect_timeout=connect_timeout,
             max_pending=config.max_pending,
+            resolve=resolve,
         )
 
     async def start(self) -> None:

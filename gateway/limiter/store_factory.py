@@ -14,6 +14,7 @@ STORES_BY_SCHEME: dict[str, Callable[[StoreConfig], Store]] = {
     "redis": RedisStore,
     "rediss": RedisStore,
     "unix": RedisStore,
+    "redis+sentinel": RedisStore,  # finds the master through Sentinel
 }
 
 

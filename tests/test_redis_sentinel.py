@@ -1,0 +1,93 @@
+"""Redis Sentinel: the store finds the master through the sentinels and follows
+a failover. A real master, a replica and three sentinels, all redis-server
+processes; the gateway as users start it in tests."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import aiohttp
+import pytest
+
+from gateway.limiter.circuit_breaker import BREAKER_COOLDOWN
+from gateway.limiter.redis_connection import RECONNECT_BACKOFF_MAX
+from gateway.testing import running_gateway
+from tests.processes import RedisServer, SentinelServer, wait_until
+from tests.test_redis_failures import gateway_yaml, get
+
+
+@pytest.fixture
+def sentinel_group():
+    """(master, replica, sentinels), the replica known to every sentinel."""
+    with contextlib.ExitStack() as stack:
+        master = stack.enter_context(RedisServer())
+        replica = stack.enter_context(RedisServer("--replicaof", "127.0.0.1", str(master.port)))
+        sentinels = [stack.enter_context(SentinelServer(master.port)) for _ in range(3)]
+
+        def replica_known() -> bool:
+            return all(
+                any(r["port"] == replica.port and "s_down" not in r["flags"] for r in s.client().sentinel_slaves("mymaster"))
+                for s in sentinels
+            ) and all(len(s.client().sentinel_sentinels("mymaster")) == 2 for s in sentinels)
+
+        wait_until(replica_known, deadline=20, what="the sentinels to know the replica and each other")
+        yield master, replica, sentinels
+
+
+def sentinel_url(sentinels: list[SentinelServer]) -> str:
+    return "redis+sentinel://" + ",".join(f"127.0.0.1:{s.port}" for s in sentinels) + "/mymaster"
+
+
+async def decisions_until_back(http: aiohttp.ClientSession, url: str, *, limit_seconds: float) -> tuple[float, set[int]]:
+    """Request /closed until a decision comes from Redis again; (seconds it took, statuses seen)."""
+    started = time.monotonic()
+    seen = set()
+    while True:
+        response = await get(http, url + "/closed")
+        seen.add(response.status)
+        if "RateLimit" in response.headers:
+            return time.monotonic() - started, seen
+        assert time.monotonic() - started < limit_seconds, f"no decision from Redis for {limit_seconds} s"
+
+
+async def test_the_store_finds_the_master_and_follows_it_when_it_dies(sentinel_group, upstream):
+    master, replica, sentinels = sentinel_group
+    async with running_gateway(gateway_yaml(sentinel_url(sentinels), upstream, timeout="10ms")) as gw:
+        async with aiohttp.ClientSession() as http:
+            first = await get(http, gw.url + "/closed")
+            assert first.headers["RateLimit"] == '"strict";r=9;t=86400'
+            assert len(master.client().keys("rl:strict:*")) == 1
+            master.stop()
+            # Sentinel's own timers, then at most one reconnect backoff and one breaker cool-down.
+            sentinel_seconds = (SentinelServer.DOWN_AFTER_MS + SentinelServer.FAILOVER_TIMEOUT_MS) / 1000
+            window, seen = await decisions_until_back(
+                http, gw.url, limit_seconds=sentinel_seconds + RECONNECT_BACKOFF_MAX + BREAKER_COOLDOWN
+            )
+            print(f"sentinel failover: decisions from Redis again {window:.2f} s after the master died")
+            assert seen <= {200, 503}
+            # The promoted replica had the bucket: the count carried over.
+            answer = await get(http, gw.url + "/closed")
+            assert answer.headers["RateLimit"].startswith('"strict";r=')
+            assert replica.client().info("replication")["role"] == "master"
+
+
+async def test_a_demoted_master_answering_readonly_sends_the_store_to_the_new_one(sentinel_group, upstream):
+    master, replica, sentinels = sentinel_group
+    async with running_gateway(gateway_yaml(sentinel_url(sentinels), upstream, timeout="10ms")) as gw:
+        async with aiohttp.ClientSession() as http:
+            assert "RateLimit" in (await get(http, gw.url + "/closed")).headers
+            sentinels[0].client().sentinel_failover("mymaster")  # graceful: the old master lives on as a replica
+            wait_until(
+                lambda: replica.client().info("replication")["role"] == "master"
+                and master.client().info("replication")["role"] == "slave",
+                deadline=15,
+                what="the promotion and the old master's demotion",
+            )
+            replica.client().config_resetstat()
+            window, seen = await decisions_until_back(http, gw.url, limit_seconds=3.0)
+            assert seen <= {200, 503}
+            for _ in range(5):
+                assert "RateLimit" in (await get(http, gw.url + "/closed")).headers
+            # The decisions came from the new master, whose replica the old one now is.
+            assert replica.client().info("commandstats")["cmdstat_evalsha"]["calls"] >= 6
