@@ -11,6 +11,16 @@
 -- The clock is Redis's own TIME, never the caller's: a gateway whose clock runs
 -- fast gains nothing. It is the model of gateway/limiter/bucket.py, in milliseconds.
 
+-- The number as a string that reads back as the same double: tostring's 14
+-- digits when they do, else 17, so 0.999999999999999 tokens never read as "1".
+local function exact(x)
+  local text = string.format('%.14g', x)
+  if tonumber(text) ~= x then
+    text = string.format('%.17g', x)
+  end
+  return text
+end
+
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000 + tonumber(time[2]) / 1000
 
@@ -57,7 +67,7 @@ for i = 1, count do
     local ttl = math.ceil((stamps[i] - now) + capacities[i] / rates[i] * 1000) + 1000
     redis.call('PEXPIRE', KEYS[i], ttl)
   end
-  remaining[i] = tostring(tokens[i])
+  remaining[i] = exact(tokens[i])
 end
 
 if allowed == 1 then

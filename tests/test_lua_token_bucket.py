@@ -313,3 +313,13 @@ def test_random_calls_match_the_bucket_model(script, client):
                 assert not client.exists(key), "a bucket was written although it was not charged"
             else:
                 assert client.hgetall(key) == written[key], "an uncharged bucket changed"
+
+
+def test_a_bucket_a_hair_short_of_the_cost_is_reported_short(client, script):
+    """Remaining is a string with all of a double's digits: Lua's tostring keeps 14,
+    and 0.999999999999999 tokens read as "1", a denial that looked like room."""
+    tokens = 1 - 1e-15
+    put(client, "hair", tokens, redis_now_ms(client) + 60_000)  # a stamp ahead: nothing refills
+    reply = script(("hair", 10, 1, 1))
+    assert reply.allowed == 0
+    assert float(reply.remaining[0]) == tokens < 1
