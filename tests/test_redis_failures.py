@@ -334,3 +334,22 @@ async def test_script_flush_during_traffic_is_invisible_to_clients(redis_server,
     assert statuses == {200: 100, 429: 100}
     # The flushes did bite: some EVALSHA got NOSCRIPT and the script was sent in full.
     assert stats["cmdstat_eval"]["calls"] >= 1
+
+
+async def test_a_redis_out_of_memory_is_a_store_failure_and_decisions_resume_when_it_has_room(redis_server, upstream):
+    config = gateway_yaml(redis_server.url, upstream, timeout="10ms")
+    client = redis_server.client()
+    async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
+        assert "RateLimit" in (await get(http, gw.url + "/open")).headers
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", "1")  # below what it uses: every write is refused with OOM
+        try:
+            for _ in range(10):
+                refused = await get(http, gw.url + "/open", key="new-client")
+                assert refused.status == 200 and "RateLimit" not in refused.headers
+                assert (await get(http, gw.url + "/closed", key="new-client")).status == 503
+        finally:
+            client.config_set("maxmemory", "0")
+        back = time.monotonic()
+        while "RateLimit" not in (await get(http, gw.url + "/open", key="new-client")).headers:
+            assert time.monotonic() - back < 1.0, "decisions did not resume within 1 s of Redis having room"
