@@ -111,8 +111,9 @@ class Limiter:
                     return _cached_denial(checks, cached)
             sent_at = time.monotonic()
             if not self.breaker.allows(sent_at):
-                error = BREAKER_OPEN
-                return self._on_store_error(checks, error)
+                # Not the wave's error: the store was not asked, and the next wave asks
+                # the breaker for itself (it may be closed again by then).
+                return self._on_store_error(checks, BREAKER_OPEN)
             try:
                 answer = await self.store.check(checks)
             except StoreError:

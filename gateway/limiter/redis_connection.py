@@ -131,7 +131,6 @@ class RedisConnection:
         connect_timeout: float,
         max_pending: int = DEFAULT_MAX_PENDING,
         max_batch: int = DEFAULT_MAX_BATCH,
-        on_connect: Callable[[], None] | None = None,
         resolve: Callable[[], Awaitable[RedisAddress]] | None = None,
     ) -> None:
         """`resolve`, when given, names the node afresh before each connect (Sentinel)."""
@@ -141,7 +140,6 @@ class RedisConnection:
         self._connect_timeout = connect_timeout
         self._max_pending = max_pending
         self._max_batch = max_batch
-        self._on_connect = on_connect
         self._transport: asyncio.Transport | None = None
         self._reader: Any = None
         self._unsent: list[bytes] = []
@@ -349,8 +347,6 @@ class RedisConnection:
             self._last_error = f"cannot connect: {exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
             raise StoreError(f"redis {address}: {self._last_error}") from None
         log.info("connected to redis %s", address)
-        if self._on_connect is not None:
-            self._on_connect()
 
     async def _handshake(self) -> None:
         """Log in and pick the database; PING proves a responsive Redis is there."""
