@@ -125,7 +125,7 @@ class Limiter:
             self.breaker.succeeded()
             # Allowed or not, a bucket left short of its cost cannot pass until it refills.
             for c, left in zip(checks, answer.remaining):
-                if left < c.cost:
+                if left is not None and left < c.cost:
                     denials.record(c, remaining=left, sent_at=sent_at)
         except StoreError as exc:
             error = exc
@@ -194,7 +194,7 @@ def _decision(checks: Sequence[LimitCheck], answer: StoreDecision) -> Decision:
             limit=c.limit,
             cost=c.cost,
             remaining=left,
-            outcome=ALLOW if answer.allowed else (DENY if left < c.cost else SKIPPED),
+            outcome=ALLOW if answer.allowed else (DENY if left is not None and left < c.cost else SKIPPED),
         )
         for c, left in zip(checks, answer.remaining)
     )

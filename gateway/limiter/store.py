@@ -29,7 +29,8 @@ class LimitCheck:
 @dataclass(frozen=True, slots=True)
 class StoreDecision:
     allowed: bool
-    remaining: tuple[float, ...]  # per check, in order
+    # Per check, in order. None: not asked, because a check in an earlier Redis Cluster slot denied.
+    remaining: tuple[float | None, ...]
     retry_after: float  # seconds; 0 when allowed
 
 
