@@ -120,6 +120,101 @@ class RedisServer:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free too."""
+    while True:
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
+class RedisCluster:
+    """A private Redis Cluster of `masters` masters with one replica each, made of
+    redis-server processes and joined by `redis-cli --cluster create`, as operators do."""
+
+    NODE_TIMEOUT_MS = 1000
+
+    def __init__(self, masters: int = 3, *, dedicated: bool = False) -> None:
+        self.nodes: list[RedisServer] = []
+        for _ in range(masters * 2):
+            node = RedisServer(
+                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(self.NODE_TIMEOUT_MS), dedicated=dedicated,
+            )
+            node.port = free_cluster_port()
+            self.nodes.append(node)
+        self._masters = masters
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes[:2])
+
+    def client(self) -> redis.RedisCluster:
+        return redis.RedisCluster(host="127.0.0.1", port=self.nodes[0].port, socket_timeout=5, decode_responses=True)
+
+    def node_client(self, port: int) -> redis.Redis:
+        return redis.Redis(port=port, socket_timeout=5, decode_responses=True)
+
+    def __enter__(self) -> RedisCluster:
+        try:
+            for node in self.nodes:
+                node.start()
+            subprocess.run(
+                ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                 "--cluster-replicas", "1", "--cluster-yes"],
+                check=True, capture_output=True, timeout=60,
+            )
+            wait_until(self.settled, what="the cluster to agree on its slots and sync its replicas")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def settled(self) -> bool:
+        """Every node sees every slot served and every node known, and every replica is in sync."""
+        for node in self.nodes:
+            client = self.node_client(node.port)
+            info = client.cluster("info")
+            if info["cluster_state"] != "ok" or int(info["cluster_slots_ok"]) != 16384:
+                return False
+            if int(info["cluster_known_nodes"]) != len(self.nodes):
+                return False
+            replication = client.info("replication")
+            if replication["role"] == "slave" and replication.get("master_link_status") != "up":
+                return False
+        return True
+
+    def masters(self) -> dict[int, list[tuple[int, int]]]:
+        """Each master's port and the slot ranges it serves, as the cluster says now."""
+        owners: dict[int, list[tuple[int, int]]] = {}
+        for first, last, master, *_ in self.node_client(self.nodes[0].port).execute_command("CLUSTER SLOTS"):
+            owners.setdefault(int(master[1]), []).append((int(first), int(last)))
+        return owners
+
+    def node_id(self, port: int) -> str:
+        return self.node_client(port).execute_command("CLUSTER MYID")
+
+    def replica_of(self, master_port: int) -> int:
+        master_id = self.node_id(master_port)
+        for node in self.nodes:
+            replication = self.node_client(node.port).info("replication")
+            if replication["role"] == "slave" and self.node_client(node.port).execute_command(
+                "CLUSTER MYID"
+            ) != master_id and int(replication["master_port"]) == master_port:
+                return node.port
+        raise AssertionError(f"no replica of {master_port}")
+
+    def __exit__(self, *exc: object) -> None:
+        for node in self.nodes:
+            node.__exit__()
+
+
 class SentinelServer:
     """A private Redis Sentinel on a free port, monitoring `master_port` as `service`,
     with short failure timers so a failover takes about a second."""

@@ -74,11 +74,11 @@ class RedisStore:
         self._rereading: asyncio.Future[None] | None = None
         self._args_cache: dict[tuple[int, int], tuple[Limit, tuple[bytes, bytes, bytes]]] = {}
         self._setup_timeout = max(config.timeout, SETUP_TIMEOUT_FLOOR)
-        self._refunds: set[asyncio.Task[None]] = set()
         connect_timeout = max(config.timeout * 10, SETUP_TIMEOUT_FLOOR)
         self._cluster: RedisCluster | None = None
         self._redis: RedisCluster | OneNode
-        if urlsplit(config.url).scheme == redis_cluster.SCHEME:
+        self.refunds = urlsplit(config.url).scheme == redis_cluster.SCHEME
+        if self.refunds:
             self._redis = self._cluster = RedisCluster(
                 redis_cluster.parse_cluster_url(config.url),
                 timeout=config.timeout,
@@ -101,8 +101,6 @@ class RedisStore:
     async def close(self) -> None:
         if self._rereading is not None:
             self._rereading.cancel()
-        for refund in self._refunds:
-            refund.cancel()
         await self._redis.close()  # fails an exchange in flight with StoreError
 
     async def check(self, checks: Sequence[LimitCheck]) -> StoreDecision:
@@ -125,9 +123,9 @@ class RedisStore:
         """A check across Redis Cluster slots: one script call per slot, in slot order.
 
         Each call is all-or-nothing within its slot. When a later slot denies, what
-        the earlier slots charged is given back (`lua/token_refund.lua`), in the
-        background: until the refund lands those buckets hold less than they should,
-        which can only deny, never admit. When a later slot fails, earlier charges
+        the earlier slots charged is given back (`lua/token_refund.lua`) before the
+        denial is answered. Until the refund lands, those buckets hold less than they
+        should, which can only deny, never admit. When a later slot fails, earlier charges
         stay: the request may yet be allowed by the failure policy."""
         slots: dict[int, list[int]] = {}
         for i, key in enumerate(keys):
@@ -145,27 +143,33 @@ class RedisStore:
             if not decision.allowed:
                 for i in charged:
                     remaining[i] += checks[i].cost  # as found, before this request
-                self._refund([i for i in charged if checks[i].cost], checks, keys)
+                await self._refund([i for i in charged if checks[i].cost], checks, keys)
                 return StoreDecision(allowed=False, remaining=tuple(remaining), retry_after=decision.retry_after)
             charged += indices
         return StoreDecision(allowed=True, remaining=tuple(remaining), retry_after=0.0)
 
-    def _refund(self, indices: list[int], checks: Sequence[LimitCheck], keys: list[str]) -> None:
+    async def _refund(self, indices: list[int], checks: Sequence[LimitCheck], keys: list[str]) -> None:
+        """Give back what `indices` were charged, one call per slot. Awaited, so this
+        gateway's next check of the same client finds the tokens back."""
         slots: dict[int, list[int]] = {}
         for i in indices:
             slots.setdefault(key_slot(keys[i]), []).append(i)
-        for slot, part in slots.items():
-            args = [arg for i in part for arg in (repr(float(checks[i].limit.burst)).encode(), str(checks[i].cost).encode())]
-            task = asyncio.ensure_future(self._give_back(slot, [keys[i] for i in part], args))
-            self._refunds.add(task)
-            task.add_done_callback(self._refunds.discard)
-
-    async def _give_back(self, slot: int, keys: list[str], args: list[bytes]) -> None:
-        try:
-            await self._call(self._refund_script, self._refund_sha, slot, keys, args)
-        except StoreError as exc:
-            # The tokens stay charged: this client is under-admitted until they refill.
-            log.warning("could not refund %s after a denial in another slot: %s", ", ".join(keys), exc)
+        refunds = [
+            self._call(
+                self._refund_script,
+                self._refund_sha,
+                slot,
+                [keys[i] for i in part],
+                [arg for i in part for arg in self._script_args(checks[i])[0::2]],  # capacity, cost
+            )
+            for slot, part in slots.items()
+        ]
+        for outcome in await asyncio.gather(*refunds, return_exceptions=True):
+            if isinstance(outcome, StoreError):
+                # The tokens stay charged: this client is under-admitted until they refill.
+                log.warning("could not refund a check denied in another slot: %s", outcome)
+            elif isinstance(outcome, BaseException):
+                raise outcome
 
     async def _run(
         self, script: bytes, sha: bytes, slot: int, keys: Sequence[str], args: Sequence[bytes]

@@ -36,6 +36,9 @@ class StoreDecision:
 
 class Store(Protocol):
     description: str  # for logs and /readyz, with any password removed
+    # Whether a check may give back tokens it charged (a Redis Cluster check across
+    # slots that a later slot denied). Then tokens can reappear faster than they refill.
+    refunds: bool
 
     async def start(self) -> None:
         """Open connections. May raise StoreError; the gateway still starts and retries."""
