@@ -193,7 +193,8 @@ class RedisCluster:
     def masters(self) -> dict[int, list[tuple[int, int]]]:
         """Each master's port and the slot ranges it serves, as the cluster says now."""
         owners: dict[int, list[tuple[int, int]]] = {}
-        for first, last, master, *_ in self.node_client(self.nodes[0].port).execute_command("CLUSTER SLOTS"):
+        alive = next(node for node in self.nodes if node.process is not None and node.process.poll() is None)
+        for first, last, master, *_ in self.node_client(alive.port).execute_command("CLUSTER SLOTS"):
             owners.setdefault(int(master[1]), []).append((int(first), int(last)))
         return owners
 

@@ -106,18 +106,19 @@ class RedisStore:
     async def check(self, checks: Sequence[LimitCheck]) -> StoreDecision:
         if self._secret is None:
             await self._share_secret()
-        try:
-            decision = await self._decide(checks)
-        except _SecretChanged:  # the keys were hashed with the secret of before an empty restart
-            decision = await self._decide(checks)
+        for attempt in range(2):
+            keys = self._keys(checks)
+            try:
+                if self._cluster is None:
+                    decision = _decision(await self._call(self._script, self._sha, 0, keys, self._args(checks)))
+                else:
+                    decision = await self._check_slots(checks, keys)
+                break
+            except _SecretChanged:  # the keys were hashed with the secret of before an empty restart
+                if attempt:
+                    raise
         self._maybe_reread_secret()
         return decision
-
-    async def _decide(self, checks: Sequence[LimitCheck]) -> StoreDecision:
-        keys = self._keys(checks)
-        if self._cluster is None:
-            return await self._run(self._script, self._sha, 0, keys, self._args(checks))
-        return await self._check_slots(checks, keys)
 
     async def _check_slots(self, checks: Sequence[LimitCheck], keys: list[str]) -> StoreDecision:
         """A check across Redis Cluster slots: one script call per slot, in slot order.
@@ -131,13 +132,13 @@ class RedisStore:
         for i, key in enumerate(keys):
             slots.setdefault(key_slot(key), []).append(i)
         if len(slots) == 1:
-            return await self._run(self._script, self._sha, next(iter(slots)), keys, self._args(checks))
+            return _decision(await self._call(self._script, self._sha, next(iter(slots)), keys, self._args(checks)))
         remaining: list[float | None] = [None] * len(checks)
         charged: list[int] = []
         for slot in sorted(slots):
             indices = slots[slot]
             part = [checks[i] for i in indices]
-            decision = await self._run(self._script, self._sha, slot, [keys[i] for i in indices], self._args(part))
+            decision = _decision(await self._call(self._script, self._sha, slot, [keys[i] for i in indices], self._args(part)))
             for i, left in zip(indices, decision.remaining):
                 remaining[i] = left
             if not decision.allowed:
@@ -170,21 +171,6 @@ class RedisStore:
                 log.warning("could not refund a check denied in another slot: %s", outcome)
             elif isinstance(outcome, BaseException):
                 raise outcome
-
-    async def _run(
-        self, script: bytes, sha: bytes, slot: int, keys: Sequence[str], args: Sequence[bytes]
-    ) -> StoreDecision:
-        reply = await self._call(script, sha, slot, keys, args)
-        try:
-            allowed, remaining, retry_ms = reply
-            retry_ms = int(retry_ms)
-            return StoreDecision(
-                allowed=bool(allowed),
-                remaining=tuple(float(r) for r in remaining),
-                retry_after=float("inf") if retry_ms < 0 else retry_ms / 1000,
-            )
-        except (TypeError, ValueError) as exc:
-            raise StoreError(f"{self.description}: unexpected script reply {reply!r}") from exc
 
     async def _call(self, script: bytes, sha: bytes, slot: int, keys: Sequence[str], args: Sequence[bytes]) -> object:
         """EVALSHA, or EVAL when Redis has lost its script cache."""
@@ -285,6 +271,20 @@ class RedisStore:
             args = (repr(float(limit.burst)).encode(), repr(limit.rate.per_second).encode(), str(check.cost).encode())
             self._args_cache[key] = cached = (limit, args)
         return cached[1]
+
+
+def _decision(reply: object) -> StoreDecision:
+    """The token-bucket script's reply: {allowed, {remaining, ...}, retry_after_ms}."""
+    try:
+        allowed, remaining, retry_ms = reply  # type: ignore[misc]
+        retry_ms = int(retry_ms)
+        return StoreDecision(
+            allowed=bool(allowed),
+            remaining=tuple(float(r) for r in remaining),
+            retry_after=float("inf") if retry_ms < 0 else retry_ms / 1000,
+        )
+    except (TypeError, ValueError) as exc:
+        raise StoreError(f"unexpected script reply {reply!r}") from exc
 
 
 class _SecretChanged(StoreError):
