@@ -63,9 +63,11 @@ class RedisServer:
     PING in 10-30 ms: a genuine store timeout, but one a real deployment does
     not have. Load tests that count fail_open at the 10 ms default use it."""
 
-    def __init__(self, *extra_args: str, dedicated: bool = False) -> None:
+    def __init__(self, *extra_args: str, dedicated: bool = False, password: str | None = None) -> None:
+        """`password`: the one `--requirepass` in `extra_args` sets, for this helper's own clients."""
         self.port = free_port()
         self._extra = extra_args
+        self._password = password
         self._dedicated = dedicated
         self._dir = tempfile.mkdtemp(prefix="gateway-test-redis-")
         self.process: subprocess.Popen | None = None
@@ -75,7 +77,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=5, decode_responses=True)
+        return redis.Redis(port=self.port, password=self._password, socket_timeout=5, decode_responses=True)
 
     def start(self) -> RedisServer:
         self.process = subprocess.Popen(
@@ -93,7 +95,7 @@ class RedisServer:
         if self.process.poll() is not None:
             raise AssertionError(f"redis-server on port {self.port} exited with {self.process.returncode}")
         try:
-            return bool(redis.Redis(port=self.port, socket_timeout=0.2).ping())
+            return bool(redis.Redis(port=self.port, password=self._password, socket_timeout=0.2).ping())
         except redis.RedisError:
             return False
 
@@ -140,12 +142,14 @@ class RedisCluster:
 
     NODE_TIMEOUT_MS = 1000
 
-    def __init__(self, masters: int = 3, *, dedicated: bool = False) -> None:
+    def __init__(self, masters: int = 3, *, dedicated: bool = False, password: str | None = None) -> None:
+        self.password = password
+        auth = ("--requirepass", password, "--masterauth", password) if password else ()
         self.nodes: list[RedisServer] = []
         for _ in range(masters * 2):
             node = RedisServer(
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(self.NODE_TIMEOUT_MS), dedicated=dedicated,
+                "--cluster-node-timeout", str(self.NODE_TIMEOUT_MS), *auth, dedicated=dedicated, password=password,
             )
             node.port = free_cluster_port()
             self.nodes.append(node)
@@ -153,20 +157,24 @@ class RedisCluster:
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes[:2])
+        login = f":{self.password}@" if self.password else ""
+        return f"redis+cluster://{login}" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes[:2])
 
     def client(self) -> redis.RedisCluster:
-        return redis.RedisCluster(host="127.0.0.1", port=self.nodes[0].port, socket_timeout=5, decode_responses=True)
+        return redis.RedisCluster(
+            host="127.0.0.1", port=self.nodes[0].port, password=self.password, socket_timeout=5, decode_responses=True
+        )
 
     def node_client(self, port: int) -> redis.Redis:
-        return redis.Redis(port=port, socket_timeout=5, decode_responses=True)
+        return redis.Redis(port=port, password=self.password, socket_timeout=5, decode_responses=True)
 
     def __enter__(self) -> RedisCluster:
         try:
             for node in self.nodes:
                 node.start()
             subprocess.run(
-                ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                ["redis-cli", *(("-a", self.password, "--no-auth-warning") if self.password else ()),
+                 "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
                  "--cluster-replicas", "1", "--cluster-yes"],
                 check=True, capture_output=True, timeout=60,
             )

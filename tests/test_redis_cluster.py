@@ -100,6 +100,18 @@ async def test_the_first_requests_are_decided_by_the_cluster_and_land_on_every_m
     assert holding == set(masters)
 
 
+async def test_a_cluster_that_requires_a_password_is_logged_in_to_on_every_master(upstream, client):
+    limits = "  authed: {rate: 1/hour, burst: 2, key: header:X-API-Key, on_store_error: closed}"
+    with RedisCluster(password="cluster-pass") as cluster:
+        assert cluster.url.startswith("redis+cluster://:cluster-pass@")
+        with GatewayProcess(cluster_yaml(cluster.url, upstream, limits, "[authed]")) as gateway:
+            keys = [f"client-{n}" for n in range(60)]
+            results = await asyncio.gather(*(send(client, gateway.url + "/", {"X-API-Key": k}) for k in keys * 3))
+            assert collections.Counter(status for status, _, _ in results) == {200: 120, 429: 60}
+        used = {port for port in cluster.masters() if cluster.node_client(port).dbsize() > 0}
+        assert used == set(cluster.masters())
+
+
 async def test_a_cluster_that_cannot_be_reached_fails_open_and_readyz_says_why(upstream, client):
     dead = f"redis+cluster://127.0.0.1:{free_cluster_port()},127.0.0.1:{free_cluster_port()}"
     limits = "  unreachable: {rate: 1/hour, burst: 2, key: header:X-API-Key, on_store_error: open}"
