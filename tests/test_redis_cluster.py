@@ -76,6 +76,12 @@ def test_key_slot_agrees_with_the_cluster(cluster):
         assert key_slot(key) == node.execute_command("CLUSTER KEYSLOT", key), key
 
 
+def test_every_bucket_of_one_identity_shares_a_slot():
+    for n in range(100):
+        identity = f"header:x-api-key=client-{n}"
+        assert len({slot_of(limit, identity) for limit in ("per_client", "reports", "a", "b-c")}) == 1
+
+
 def test_redirections_name_a_slot_and_a_node():
     assert parse_redirect("MOVED 3999 127.0.0.1:6381", "x") == (3999, ("127.0.0.1", 6381))
     assert parse_redirect("ASK 1 [::1]:7000", "x") == (1, ("::1", 7000))
