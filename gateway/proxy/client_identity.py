@@ -7,17 +7,31 @@ untrusted address is the client. Entries left of it were written by the
 client and are never believed, so a forged X-Forwarded-For from an untrusted
 peer changes nothing. Header, query and cookie values are whatever the client
 sent; they are only ever hashed (`gateway.limiter.keys`), never used as keys.
+A `jwt:CLAIM` is believed only from a token that verifies (`jwt_identity`).
+
+The identity charged must be the identity the upstream sees, so a value is
+taken only when the upstream will receive exactly that value and no other:
+a source given twice (two header lines, `?key=a&key=b`, two cookies of one
+name), a value outside visible ASCII (which one parser reads as another
+value, or drops), or a `Connection` header naming an identity header (which
+would be stripped as hop-by-hop) is rejected with 400, never normalised.
+Only the sources read to find a limit's identity are judged, and only on
+routes with limits. X-Forwarded-For and the gateway's own forwarding
+headers are never stripped on the client's say (`headers.end_to_end`).
 """
 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
-from gateway.config.model import IdentitySource, IPNetwork
+from gateway.config.model import IdentitySource, IPNetwork, JwtConfig
+from gateway.proxy.jwt_identity import JwtVerifier, bearer_token, claim_value
 
 # Addresses remembered with their parsed form and trust, so a returning client costs a
 # dict hit instead of an ipaddress parse and format (~3 µs). Bounded because clients
@@ -26,6 +40,29 @@ ADDRESS_MEMO_SIZE = 4096
 # The longest address text worth remembering: "[IPv6 with embedded IPv4]:port" is 53
 # characters. Longer X-Forwarded-For entries are parsed each time, never kept.
 ADDRESS_MEMO_KEY_CHARS = 64
+# Identity values the upstream reads exactly as the gateway does: visible ASCII, with
+# spaces inside ("Bearer x") but not at the ends, where HTTP parsers trim them.
+_VISIBLE_ASCII = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
+_UNREAD: Any = object()  # a request's token claims, before anyone asked for them
+
+
+class IdentityRejected(Exception):
+    """The client's identity cannot be read as the upstream would read it; the request is
+    answered with `status` and never charged. `detail` names config, never client bytes."""
+
+    status = 400
+    title = "Bad Request"
+    headers: Mapping[str, str] | None = None
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class TokenRejected(IdentityRejected):
+    status = 401
+    title = "Unauthorized"
+    headers = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
 
 
 def _parse_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -34,6 +71,9 @@ def _parse_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None
         text = text[1 : text.index("]")]
     elif text.count(":") == 1:  # "192.0.2.1:443"
         text = text.partition(":")[0]
+    # A zone id (`fe80::1%eth0`, `%25eth0` in a URL) names an interface of the host that
+    # wrote it, not a different client: `%1`, `%2` and `%eth0` must share one bucket.
+    text = text.partition("%")[0]
     try:
         address = ipaddress.ip_address(text)
     except ValueError:
@@ -54,9 +94,32 @@ class IdentityKey:
         return cls(sources=tuple((source, f"{source}=") for source in sources))
 
 
+@dataclass(frozen=True, slots=True)
+class RouteIdentity:
+    """What a route's limits read, compiled once: each limit's key, and the request headers
+    those keys read, which a `Connection` header may not name (lower case -> as configured)."""
+
+    keys: tuple[IdentityKey, ...]
+    guarded: Mapping[str, str]
+
+    @classmethod
+    def of(cls, keys: Sequence[IdentityKey]) -> RouteIdentity:
+        guarded: dict[str, str] = {}
+        for key in keys:
+            for source, _ in key.sources:
+                if source.kind == "header":
+                    guarded[source.name] = source.name
+                elif source.kind == "cookie":
+                    guarded["cookie"] = "Cookie"
+                elif source.kind == "jwt":
+                    guarded["authorization"] = "Authorization"
+        return cls(keys=tuple(keys), guarded=guarded)
+
+
 class ClientIdentity:
-    def __init__(self, trusted_proxies: Sequence[IPNetwork]) -> None:
+    def __init__(self, trusted_proxies: Sequence[IPNetwork], jwt: JwtConfig | None = None) -> None:
         self._trusted = tuple(trusted_proxies)
+        self._jwt = JwtVerifier(jwt) if jwt is not None else None
         # address text -> (the address as we write it, or None if it is not one; trusted?)
         self._addresses: dict[str, tuple[str | None, bool]] = {}
 
@@ -91,32 +154,104 @@ class ClientIdentity:
                 break
         return client
 
-    def identity(self, request: web.BaseRequest, key: IdentityKey, client_ip: str) -> str:
-        """The first source present, as "source=value"; the client's IP when none is."""
-        for source, prefix in key.sources:
-            value = client_ip if source.kind == "ip" else self._value(request, source)
-            if value:
-                return prefix + value
-        return "ip=" + client_ip
+    def identities(self, request: web.BaseRequest, route: RouteIdentity, client_ip: str) -> list[str]:
+        """Each limit's identity, in order; raises IdentityRejected for a request whose identity
+        the upstream could read otherwise."""
+        if route.guarded and "Connection" in request.headers:
+            for line in request.headers.getall("Connection"):
+                for token in line.split(","):
+                    name = route.guarded.get(token.strip().lower())
+                    if name is not None:
+                        raise IdentityRejected(
+                            f"The Connection header names {name}, which this route reads the client's identity "
+                            "from; it would be removed before the upstream saw it."
+                        )
+        claims = _UNREAD
+        found: list[str] = []
+        for key in route.keys:
+            identity = None
+            for source, prefix in key.sources:
+                kind = source.kind
+                if kind == "ip":
+                    value: str | None = client_ip
+                elif kind == "jwt":
+                    if claims is _UNREAD:
+                        claims = self._claims(request)
+                    value = claim_value(claims, source.name) if claims is not None else None
+                else:
+                    value = _value(request, source)
+                if value:
+                    identity = prefix + value
+                    break
+            found.append(identity or "ip=" + client_ip)
+        return found
 
-    def _value(self, request: web.BaseRequest, source: IdentitySource) -> str | None:
-        if source.kind == "header":
-            return request.headers.get(source.name)
-        if source.kind == "query":
-            return request.rel_url.query.get(source.name)
-        return _cookie(request, source.name)
+    def _claims(self, request: web.BaseRequest) -> Mapping[str, Any] | None:
+        """The verified claims of the request's bearer token; None without a valid one."""
+        authorization = _single_header(request, "authorization", "Authorization")
+        token = bearer_token(authorization) if authorization else None
+        if token is None:
+            return None
+        assert self._jwt is not None  # the loader refuses jwt: sources without a `jwt` block
+        claims = self._jwt.claims(token)
+        if claims is None and self._jwt.rejects:
+            raise TokenRejected("The bearer token is invalid, expired or unsigned.")
+        return claims
+
+
+def _single_header(request: web.BaseRequest, name: str, shown: str) -> str | None:
+    values = request.headers.getall(name, ())
+    if not values:
+        return None
+    if len(values) > 1:
+        raise IdentityRejected(f"The {shown} header appears more than once; it identifies the client, so it may appear once.")
+    return _checked(values[0], f"The {shown} header")
+
+
+def _value(request: web.BaseRequest, source: IdentitySource) -> str | None:
+    if source.kind == "header":
+        return _single_header(request, source.name, source.name)
+    if source.kind == "query":
+        values = request.rel_url.query.getall(source.name, ())
+        if not values:
+            return None
+        what = f"The query parameter {source.name!r}"
+        if len(values) > 1:
+            raise IdentityRejected(f"{what} appears more than once; it identifies the client, so it may appear once.")
+        value = _checked(values[0], what)
+        if value is not None and ";" in value:
+            # Some servers split a query on ";" too, and would read a different value.
+            raise IdentityRejected(f"{what} contains ';'.")
+        return value
+    return _cookie(request, source.name)
+
+
+def _checked(value: str, what: str) -> str | None:
+    if not value:
+        return None
+    if _VISIBLE_ASCII.fullmatch(value) is None:
+        raise IdentityRejected(f"{what} has characters outside visible ASCII; it identifies the client.")
+    return value
 
 
 def _cookie(request: web.BaseRequest, name: str) -> str | None:
-    """The first cookie called `name`, read as browsers send them (RFC 6265 §5.4): `name=value`
+    """The cookie called `name`, read as browsers send them (RFC 6265 §5.4): `name=value`
     pairs split on ";". http.cookies gives up on the whole header at the first value it
-    dislikes (JSON, a space), which would silently key such clients by IP instead."""
+    dislikes (JSON, a space), which would silently key such clients by IP instead. A name
+    given twice is rejected: servers differ on whether the first or the last one counts."""
+    found: str | None = None
+    seen = False
     for header in request.headers.getall("Cookie", ()):
         for pair in header.split(";"):
             key, sep, value = pair.partition("=")
             if sep and key.strip() == name:
+                if seen:
+                    raise IdentityRejected(
+                        f"The cookie {name!r} appears more than once; it identifies the client, so it may appear once."
+                    )
+                seen = True
                 value = value.strip()
                 if len(value) >= 2 and value[0] == value[-1] == '"':
                     value = value[1:-1]
-                return value
-    return None
+                found = value
+    return _checked(found, f"The cookie {name!r}") if found else None
