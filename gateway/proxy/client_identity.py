@@ -43,6 +43,7 @@ ADDRESS_MEMO_KEY_CHARS = 64
 # Identity values the upstream reads exactly as the gateway does: visible ASCII, with
 # spaces inside ("Bearer x") but not at the ends, where HTTP parsers trim them.
 _VISIBLE_ASCII = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
+_VISIBLE_RAW = re.compile(r"[\x21-\x7e]*")
 _UNREAD: Any = object()  # a request's token claims, before anyone asked for them
 
 
@@ -142,7 +143,13 @@ class ClientIdentity:
         peer, trusted = self.address(peer_text)
         if not trusted:
             return peer or peer_text
-        entries = [e.strip() for line in request.headers.getall("X-Forwarded-For", ()) for e in line.split(",")]
+        lines = request.headers.getall("X-Forwarded-For", ())
+        for line in lines:
+            # Bytes outside ASCII are re-encoded on the way out, so "\x801.2.3.4", garbage
+            # that stops the walk here, could reach the upstream as an address.
+            if not line.isascii() or not line.isprintable():
+                raise IdentityRejected("The X-Forwarded-For header has characters outside visible ASCII.")
+        entries = [e.strip() for line in lines for e in line.split(",")]
         client = peer or peer_text
         for entry in reversed([e for e in entries if e]):
             address, trusted = self.address(entry)
@@ -212,6 +219,11 @@ def _value(request: web.BaseRequest, source: IdentitySource) -> str | None:
     if source.kind == "header":
         return _single_header(request, source.name, source.name)
     if source.kind == "query":
+        raw = request.rel_url.raw_query_string
+        if raw and _VISIBLE_RAW.fullmatch(raw) is None:
+            # Raw bytes outside ASCII are re-encoded on the way out: `?\x80key=a` has no `key`
+            # here, but may have one at the upstream.
+            raise IdentityRejected("The query string has characters outside visible ASCII.")
         values = request.rel_url.query.getall(source.name, ())
         if not values:
             return None
@@ -242,6 +254,9 @@ def _cookie(request: web.BaseRequest, name: str) -> str | None:
     found: str | None = None
     seen = False
     for header in request.headers.getall("Cookie", ()):
+        # The whole line: a byte outside ASCII in another cookie's name could be dropped on
+        # the way out and make it `name`.
+        _checked(header, "The Cookie header")
         for pair in header.split(";"):
             key, sep, value = pair.partition("=")
             if sep and key.strip() == name:
