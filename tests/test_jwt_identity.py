@@ -20,6 +20,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from gateway.config.loader import ConfigError
+from gateway.config.model import JwtConfig, JwtFailure, JwtKey
+from gateway.proxy.jwt_identity import VERIFIED_MEMO_SIZE, JwtVerifier, bearer_token
 from gateway.testing import config_from_yaml, running_gateway
 from tests.processes import GatewayProcess
 from tests.raw_client import raw_request, request_bytes
@@ -221,3 +223,42 @@ def test_jwt_sources_and_the_jwt_block_need_each_other():
     unused = jwt_config("http://127.0.0.1:1", "{secret_env: JWT_SECRET}").replace("[jwt:sub, ip]", "[ip]")
     with pytest.raises(ConfigError, match=r"<test>: jwt: no limit's `key` has a jwt:CLAIM source"):
         config_from_yaml(unused, environ=ENV)
+
+
+# --- pure: the verifier and its memo of verified tokens -------------------------------------
+
+
+def hs256_verifier(clock, leeway: float = 0.0) -> JwtVerifier:
+    return JwtVerifier(
+        JwtConfig(keys=(JwtKey(algorithm="HS256", key=SECRET.encode()),), issuer=None, audience=None,
+                  leeway=leeway, on_invalid=JwtFailure.NEXT),
+        clock=clock,
+    )
+
+
+def test_a_remembered_token_stops_counting_once_it_expires():
+    now = [time.time()]
+    verifier = hs256_verifier(lambda: now[0], leeway=5)
+    remembered = token({"sub": "kim", "exp": int(now[0]) + 60})
+    assert verifier.claims(remembered)["sub"] == "kim"
+    now[0] += 64  # within exp + leeway: still the remembered claims
+    assert verifier.claims(remembered)["sub"] == "kim"
+    now[0] += 2  # past exp + leeway: the memo never outlives the token
+    assert verifier.claims(remembered) is None
+
+
+def test_the_memo_of_verified_tokens_stays_bounded_and_keeps_no_forgeries():
+    verifier = hs256_verifier(time.time)
+    for i in range(VERIFIED_MEMO_SIZE + 10):
+        assert verifier.claims(token({"sub": f"user-{i}"}))
+        assert verifier.claims(token({"sub": f"forged-{i}"}, key="another-secret-of-thirty-two-bytes!!")) is None
+    assert len(verifier._verified) <= VERIFIED_MEMO_SIZE  # the memo itself: no public view of it
+    assert not any("forged" in claims["sub"] for claims, _ in verifier._verified.values())
+
+
+@pytest.mark.parametrize(
+    ("authorization", "expected"),
+    [("Bearer abc", "abc"), ("bearer  abc ", "abc"), ("BEARER abc", "abc"), ("Basic abc", None), ("Bearer", None), ("Bearerabc", None)],
+)
+def test_the_bearer_token_is_read_from_the_authorization_value(authorization, expected):
+    assert bearer_token(authorization) == expected
