@@ -18,7 +18,8 @@ from multidict import CIMultiDict
 
 from gateway.limiter.keys import DIGEST_BYTES, bucket_key, identity_digest
 from gateway.proxy.client_identity import ADDRESS_MEMO_SIZE, ClientIdentity
-from gateway.testing import running_gateway
+from gateway.config.loader import ConfigError
+from gateway.testing import config_from_yaml, running_gateway
 from tests.raw_client import echoed, echoed_headers, raw_request, request_bytes
 
 
@@ -283,6 +284,27 @@ async def test_identity_sources_after_the_one_that_keys_the_request_are_not_judg
         assert (await raw_request(gw.url, request))[0] == 200
         unlimited = request_bytes("/elsewhere", [(b"X-Api-Key", b"\x80"), (b"X-Api-Key", b"x")])
         assert (await raw_request(gw.url, unlimited))[0] == 404  # routed, not judged
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ("header:Connection", "connection is not forwarded as the client sent it"),
+        ("header:X-Forwarded-For", "x-forwarded-for is not forwarded as the client sent it"),
+        ("header:Forwarded", "forwarded is not forwarded as the client sent it"),
+    ],
+)
+def test_a_header_the_upstream_never_receives_as_sent_cannot_be_an_identity(key, message):
+    with pytest.raises(ConfigError) as caught:
+        config_from_yaml(f"limits: {{l: {{rate: 1/second, key: [{key}]}}}}\nroutes: [{{match: {{path: /}}, upstream: 'http://h'}}]")
+    assert str(caught.value).startswith(f"<test>: limits.l.key[0]: {message}")
+
+
+def test_header_host_as_an_identity_needs_preserve_host():
+    text = "limits: {l: {rate: 1/second, key: [header:Host]}}\nroutes: [{match: {path: /}, upstream: 'http://h', limits: [l]%s}]"
+    with pytest.raises(ConfigError, match=r"^<test>: routes\[0\].limits\[0\]: limit 'l' reads header:Host, .* preserve_host: true$"):
+        config_from_yaml(text % "")
+    config_from_yaml(text % ", preserve_host: true")
 
 
 # --- gateway.limiter.keys -------------------------------------------------------------------

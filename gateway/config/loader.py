@@ -451,6 +451,15 @@ def _route(doc: Any, path: str, limits: Mapping[str, Limit], r: _Reader) -> Rout
     names = [rl.limit.name for rl in route_limits]
     if len(set(names)) != len(names):
         r.fail(f"{path}.limits", "a limit may appear only once per route")
+    preserve_host = r.boolean(spec.get("preserve_host", False), f"{path}.preserve_host")
+    for i, rl in enumerate(route_limits):
+        if not preserve_host and any(s.kind == "header" and s.name == "host" for s in rl.limit.key):
+            # The upstream would be charged one client and see another.
+            r.fail(
+                f"{path}.limits[{i}]",
+                f"limit {rl.limit.name!r} reads header:Host, which this route replaces with the upstream's host; "
+                "set preserve_host: true",
+            )
     timeout_doc = r.mapping(spec.get("timeout", {}), f"{path}.timeout", optional=("connect", "read"))
     timeout = UpstreamTimeout(
         connect=r.parsed(parse_duration, timeout_doc.get("connect", DEFAULT_CONNECT_TIMEOUT), f"{path}.timeout.connect"),
@@ -461,7 +470,7 @@ def _route(doc: Any, path: str, limits: Mapping[str, Limit], r: _Reader) -> Rout
         upstream=upstream.rstrip("/"),
         limits=tuple(route_limits),
         strip_prefix=r.boolean(spec.get("strip_prefix", False), f"{path}.strip_prefix"),
-        preserve_host=r.boolean(spec.get("preserve_host", False), f"{path}.preserve_host"),
+        preserve_host=preserve_host,
         timeout=timeout,
     )
 
