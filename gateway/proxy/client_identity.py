@@ -23,7 +23,6 @@ headers are never stripped on the client's say (`headers.end_to_end`).
 from __future__ import annotations
 
 import ipaddress
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,10 +39,6 @@ ADDRESS_MEMO_SIZE = 4096
 # The longest address text worth remembering: "[IPv6 with embedded IPv4]:port" is 53
 # characters. Longer X-Forwarded-For entries are parsed each time, never kept.
 ADDRESS_MEMO_KEY_CHARS = 64
-# Identity values the upstream reads exactly as the gateway does: visible ASCII, with
-# spaces inside ("Bearer x") but not at the ends, where HTTP parsers trim them.
-_VISIBLE_ASCII = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
-_VISIBLE_RAW = re.compile(r"[\x21-\x7e]*")
 _UNREAD: Any = object()  # a request's token claims, before anyone asked for them
 
 
@@ -211,8 +206,11 @@ def _single_header(request: web.BaseRequest, name: str, shown: str) -> str | Non
     if not values:
         return None
     if len(values) > 1:
-        raise IdentityRejected(f"The {shown} header appears more than once; it identifies the client, so it may appear once.")
-    return _checked(values[0], f"The {shown} header")
+        raise _given_twice(f"The {shown} header")
+    value = values[0]
+    if value and not _visible(value):
+        raise _not_visible(f"The {shown} header")
+    return value or None
 
 
 def _value(request: web.BaseRequest, source: IdentitySource) -> str | None:
@@ -220,30 +218,38 @@ def _value(request: web.BaseRequest, source: IdentitySource) -> str | None:
         return _single_header(request, source.name, source.name)
     if source.kind == "query":
         raw = request.rel_url.raw_query_string
-        if raw and _VISIBLE_RAW.fullmatch(raw) is None:
+        if raw and (not _visible(raw) or " " in raw):
             # Raw bytes outside ASCII are re-encoded on the way out: `?\x80key=a` has no `key`
             # here, but may have one at the upstream.
-            raise IdentityRejected("The query string has characters outside visible ASCII.")
+            raise _not_visible("The query string")
         values = request.rel_url.query.getall(source.name, ())
         if not values:
             return None
-        what = f"The query parameter {source.name!r}"
         if len(values) > 1:
-            raise IdentityRejected(f"{what} appears more than once; it identifies the client, so it may appear once.")
-        value = _checked(values[0], what)
-        if value is not None and ";" in value:
+            raise _given_twice(f"The query parameter {source.name!r}")
+        value = values[0]
+        if value and not _visible(value):
+            raise _not_visible(f"The query parameter {source.name!r}")
+        if ";" in value:
             # Some servers split a query on ";" too, and would read a different value.
-            raise IdentityRejected(f"{what} contains ';'.")
-        return value
+            raise IdentityRejected(f"The query parameter {source.name!r} contains ';'.")
+        return value or None
     return _cookie(request, source.name)
 
 
-def _checked(value: str, what: str) -> str | None:
-    if not value:
-        return None
-    if _VISIBLE_ASCII.fullmatch(value) is None:
-        raise IdentityRejected(f"{what} has characters outside visible ASCII; it identifies the client.")
-    return value
+def _visible(value: str) -> bool:
+    """Whether non-empty `value` is visible ASCII, with spaces inside ("Bearer x") but not at
+    the ends, where HTTP parsers trim them: what the upstream reads exactly as the gateway
+    does. (str methods run in C; a regex took three times as long.)"""
+    return value.isascii() and value.isprintable() and value[0] != " " and value[-1] != " "
+
+
+def _given_twice(what: str) -> IdentityRejected:
+    return IdentityRejected(f"{what} appears more than once; it identifies the client, so it may appear once.")
+
+
+def _not_visible(what: str) -> IdentityRejected:
+    return IdentityRejected(f"{what} has characters outside visible ASCII; it identifies the client.")
 
 
 def _cookie(request: web.BaseRequest, name: str) -> str | None:
@@ -256,17 +262,16 @@ def _cookie(request: web.BaseRequest, name: str) -> str | None:
     for header in request.headers.getall("Cookie", ()):
         # The whole line: a byte outside ASCII in another cookie's name could be dropped on
         # the way out and make it `name`.
-        _checked(header, "The Cookie header")
+        if header and not _visible(header):
+            raise _not_visible("The Cookie header")
         for pair in header.split(";"):
             key, sep, value = pair.partition("=")
             if sep and key.strip() == name:
                 if seen:
-                    raise IdentityRejected(
-                        f"The cookie {name!r} appears more than once; it identifies the client, so it may appear once."
-                    )
+                    raise _given_twice(f"The cookie {name!r}")
                 seen = True
                 value = value.strip()
                 if len(value) >= 2 and value[0] == value[-1] == '"':
                     value = value[1:-1]
                 found = value
-    return _checked(found, f"The cookie {name!r}") if found else None
+    return found or None
