@@ -99,3 +99,10 @@ def test_an_unknown_forwarded_headers_setting_is_a_one_line_config_error():
     with pytest.raises(ConfigError) as caught:
         config_from_yaml("forwarded_headers: keep\nroutes: [{match: {path: /}, upstream: 'http://127.0.0.1:1'}]")
     assert str(caught.value) == "<test>: forwarded_headers: expected replace or append, got 'keep'"
+
+
+async def test_connection_naming_host_does_not_take_the_clients_host_from_a_preserve_host_route(upstream):
+    async with running_gateway(f"routes: [{{match: {{path: /}}, upstream: '{upstream}', preserve_host: true}}]") as gw:
+        status, _, body = await raw_request(gw.url, request_bytes("/echo", [("Connection", "Host")]))
+        assert status == 200
+        assert echoed_headers(echoed(body), "Host") == ["gateway.test"]
