@@ -29,7 +29,6 @@ from gateway.proxy.routing import Router
 class LimitPlan:
     limit: Limit
     cost: int
-    key: IdentityKey
     decisions: Children  # gateway_limiter_decisions_total for this route and limit, by decision
 
 
@@ -123,7 +122,6 @@ def compile_plans(config: GatewayConfig, metrics: Metrics) -> Plans:
 def _route_plan(route: Route, metrics: Metrics) -> RoutePlan:
     label = route.label  # the route in metrics, formed once for all its children
     timeout = route.timeout
-    keys = tuple(IdentityKey.of(rl.limit.key) for rl in route.limits)
     return RoutePlan(
         match=route.match,
         upstream=route.upstream,
@@ -134,12 +132,11 @@ def _route_plan(route: Route, metrics: Metrics) -> RoutePlan:
             LimitPlan(
                 limit=rl.limit,
                 cost=rl.cost,
-                key=key,
                 decisions=Children(metrics.decisions, ("decision",), route=label, limit=rl.limit.name),
             )
-            for rl, key in zip(route.limits, keys)
+            for rl in route.limits
         ),
-        identity=RouteIdentity.of(keys),
+        identity=RouteIdentity.of([IdentityKey.of(rl.limit.key) for rl in route.limits]),
         policies=tuple(policy(rl.limit) for rl in route.limits),
         upstream_timeout=problem_body(
             504,
