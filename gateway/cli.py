@@ -104,8 +104,18 @@ def describe(config: GatewayConfig) -> str:
         ),
         f"store: {store}",
         f"trusted proxies: {trusted}",
-        "limits:",
+        f"forwarded headers: {config.forwarded_headers.value}",
     ]
+    if config.jwt is not None:
+        algorithms = ", ".join(sorted({key.algorithm for key in config.jwt.keys}))
+        checks = "".join(
+            f", {name} {value!r}" for name, value in (("issuer", config.jwt.issuer), ("audience", config.jwt.audience)) if value
+        )
+        lines.append(
+            f"jwt: {algorithms} ({len(config.jwt.keys)} key{'s' if len(config.jwt.keys) != 1 else ''}){checks}, "
+            f"leeway {config.jwt.leeway:g}s, on_invalid {config.jwt.on_invalid.value}"
+        )
+    lines.append("limits:")
     for limit in config.limits:
         lines.append(
             f"  {limit.name}: rate {limit.rate.text} ({limit.rate.per_second:g}/s), burst {limit.burst:g}, "

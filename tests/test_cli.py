@@ -116,6 +116,24 @@ def test_check_shows_route_options_host_and_the_in_process_store(tmp_path):
     )
 
 
+def test_check_shows_the_forwarded_headers_setting_and_the_jwt_keys_never_the_secret(tmp_path):
+    path = write(
+        tmp_path,
+        "forwarded_headers: append\n"
+        "jwt: {secret_env: JWT_SECRET, issuer: auth.test, on_invalid: reject}\n"
+        "limits: {per_user: {rate: 1/second, key: [jwt:sub, ip]}}\n"
+        "routes: [{match: {path: /}, upstream: 'http://127.0.0.1:9000', limits: [per_user]}]\n",
+    )
+    secret = "a-secret-that-is-thirty-two-bytes-long"
+    result = run_cli("check", "-c", path, env={"JWT_SECRET": secret})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "forwarded headers: append" in lines
+    assert "jwt: HS256 (1 key), issuer 'auth.test', leeway 0s, on_invalid reject" in lines
+    assert "  per_user: rate 1/second (1/s), burst 1, key [jwt:sub, ip], on_store_error open" in lines
+    assert secret not in result.stdout
+
+
 def test_check_interpolates_from_the_environment(tmp_path):
     path = write(tmp_path, gateway_yaml("http://127.0.0.1:9000", listen="${GW_LISTEN:-0.0.0.0:8080}"))
     result = run_cli("check", "-c", path, env={"GW_LISTEN": "127.0.0.1:8181"})

@@ -9,6 +9,7 @@ Also: identity values are hashed to fixed-length keys (gateway.limiter.keys)."""
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 
 import aiohttp
@@ -17,7 +18,9 @@ from multidict import CIMultiDict
 
 from gateway.limiter.keys import DIGEST_BYTES, bucket_key, identity_digest
 from gateway.proxy.client_identity import ADDRESS_MEMO_SIZE, ClientIdentity
-from gateway.testing import running_gateway
+from gateway.config.loader import ConfigError
+from gateway.testing import config_from_yaml, running_gateway
+from tests.raw_client import echoed, echoed_headers, raw_request, request_bytes
 
 
 def identity_config(upstream: str, trusted: str = "[]") -> str:
@@ -188,6 +191,120 @@ async def test_with_no_identity_source_present_the_client_is_keyed_by_ip(upstrea
         assert await status("/by-key", {"X-Api-Key": ""}) == 429  # an empty value is not present
         assert await status("/by-key", {"Cookie": "other=1"}) == 429
         assert await status("/by-key", {"X-Api-Key": "eta"}) == 200
+
+
+# --- the limiter and the upstream see the same client (issue 8, section 1) ----------------
+
+
+async def test_a_request_naming_its_identity_header_in_connection_is_rejected_not_stripped(upstream):
+    """Reproduction: `Connection: X-API-Key` with a throwaway key on each request was charged
+    under the throwaway key while the upstream, the key stripped as hop-by-hop, saw an
+    anonymous client; 8 of 8 passed where the same IP without a key was limited."""
+    async with running_gateway(identity_config(upstream)) as gw:
+        for i in range(8):
+            request = request_bytes("/by-key", [("X-Api-Key", f"throwaway-{i}"), ("Connection", "X-Api-Key")])
+            status, headers, body = await raw_request(gw.url, request)
+            assert status == 400, body
+            assert headers["content-type"] == ["application/problem+json; charset=utf-8"]
+            assert "x-api-key" in json.loads(body)["detail"].lower()
+        # None was charged or forwarded: this client's own buckets are untouched.
+        assert (await raw_request(gw.url, request_bytes("/by-key", [])))[0] == 200
+
+
+@pytest.mark.parametrize("connection", ["Cookie", "keep-alive, COOKIE"])
+async def test_a_request_naming_its_identity_cookie_header_in_connection_is_rejected(upstream, connection):
+    async with running_gateway(identity_config(upstream)) as gw:
+        request = request_bytes("/by-key", [("Cookie", "sid=abc"), ("Connection", connection)])
+        assert (await raw_request(gw.url, request))[0] == 400
+
+
+async def test_a_header_the_gateway_sets_is_never_removed_by_connection(upstream):
+    async with running_gateway(identity_config(upstream, "[127.0.0.1/32]")) as gw:
+        request = request_bytes("/by-ip/echo", [("X-Forwarded-For", "192.0.2.7"), ("Connection", "X-Forwarded-For")])
+        status, _, body = await raw_request(gw.url, request)
+        assert status == 200
+        # The upstream sees the client the limiter charged, not the trusted proxy alone.
+        assert echoed_headers(echoed(body), "X-Forwarded-For") == ["192.0.2.7, 127.0.0.1"]
+
+
+@pytest.mark.parametrize("first_byte", [b"\x80", b"\x81", b"\xff", b"\xc3"])
+async def test_an_identity_header_with_bytes_outside_visible_ascii_is_rejected_not_normalised(upstream, first_byte):
+    """Reproduction: `X-API-Key: \\x80secretkey`, `\\x81secretkey`, ... were each a new bucket,
+    while the upstream received `X-API-Key: secretkey` for all of them."""
+    async with running_gateway(identity_config(upstream)) as gw:
+        request = request_bytes("/by-key", [(b"X-Api-Key", first_byte + b"secretkey")])
+        status, headers, body = await raw_request(gw.url, request)
+        assert status == 400, body
+        assert headers["content-type"] == ["application/problem+json; charset=utf-8"]
+        assert b"secretkey" not in body  # the value is not echoed
+
+
+@pytest.mark.parametrize("target", ["/by-key?key=%80secret", "/by-key?key=se%00cret", "/by-key?key=caf%C3%A9"])
+async def test_an_identity_query_value_outside_visible_ascii_is_rejected(upstream, target):
+    async with running_gateway(identity_config(upstream)) as gw:
+        assert (await raw_request(gw.url, request_bytes(target, [])))[0] == 400
+
+
+async def test_an_identity_cookie_value_outside_visible_ascii_is_rejected(upstream):
+    async with running_gateway(identity_config(upstream)) as gw:
+        request = request_bytes("/by-key", [(b"Cookie", b"sid=\x80secret")])
+        assert (await raw_request(gw.url, request))[0] == 400
+
+
+@pytest.mark.parametrize(
+    "header_lines",
+    [
+        [("X-Api-Key", "exhausted"), ("X-Api-Key", "fresh")],
+        [("X-Api-Key", "exhausted"), ("x-api-key", "")],
+        [("Cookie", "sid=exhausted; sid=fresh")],
+        [("Cookie", "sid=exhausted"), ("Cookie", "theme=dark; sid=fresh")],
+    ],
+    ids=["two-header-lines", "second-line-empty", "two-cookies-one-line", "two-cookies-two-lines"],
+)
+async def test_an_identity_source_given_twice_is_rejected(upstream, header_lines):
+    """Reproduction: the first value was charged and both were forwarded, so an upstream that
+    reads the last value served a client past its exhausted key."""
+    async with running_gateway(identity_config(upstream)) as gw:
+        status, _, body = await raw_request(gw.url, request_bytes("/by-key/echo", header_lines))
+        assert status == 400, body
+        assert json.loads(body)["title"] == "Bad Request"
+
+
+@pytest.mark.parametrize("query", ["key=exhausted&key=fresh", "key=exhausted&key=", "key=a&other=1&key=a"])
+async def test_an_identity_query_parameter_given_twice_is_rejected(upstream, query):
+    async with running_gateway(identity_config(upstream)) as gw:
+        assert (await raw_request(gw.url, request_bytes("/by-key?" + query, [])))[0] == 400
+
+
+async def test_identity_sources_after_the_one_that_keys_the_request_are_not_judged(upstream):
+    """Only the sources read to find the identity can reject a request: `key` is never read
+    when X-Api-Key is present, and a route without limits reads none."""
+    async with running_gateway(identity_config(upstream)) as gw:
+        request = request_bytes("/by-key?key=a&key=b", [("X-Api-Key", "gamma")])
+        assert (await raw_request(gw.url, request))[0] == 200
+        unlimited = request_bytes("/elsewhere", [(b"X-Api-Key", b"\x80"), (b"X-Api-Key", b"x")])
+        assert (await raw_request(gw.url, unlimited))[0] == 404  # routed, not judged
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ("header:Connection", "connection is not forwarded as the client sent it"),
+        ("header:X-Forwarded-For", "x-forwarded-for is not forwarded as the client sent it"),
+        ("header:Forwarded", "forwarded is not forwarded as the client sent it"),
+    ],
+)
+def test_a_header_the_upstream_never_receives_as_sent_cannot_be_an_identity(key, message):
+    with pytest.raises(ConfigError) as caught:
+        config_from_yaml(f"limits: {{l: {{rate: 1/second, key: [{key}]}}}}\nroutes: [{{match: {{path: /}}, upstream: 'http://h'}}]")
+    assert str(caught.value).startswith(f"<test>: limits.l.key[0]: {message}")
+
+
+def test_header_host_as_an_identity_needs_preserve_host():
+    text = "limits: {l: {rate: 1/second, key: [header:Host]}}\nroutes: [{match: {path: /}, upstream: 'http://h', limits: [l]%s}]"
+    with pytest.raises(ConfigError, match=r"^<test>: routes\[0\].limits\[0\]: limit 'l' reads header:Host, .* preserve_host: true$"):
+        config_from_yaml(text % "")
+    config_from_yaml(text % ", preserve_host: true")
 
 
 # --- gateway.limiter.keys -------------------------------------------------------------------

@@ -252,13 +252,15 @@ async def test_hop_by_hop_response_headers_are_not_returned(gw, client):
         assert response.headers["X-Kept"] == "yes"
 
 
-async def test_x_forwarded_headers_append_the_peer_and_name_proto_and_host(gw):
+async def test_with_forwarded_headers_append_the_peer_is_appended_and_proto_and_host_are_named(upstream):
+    """`append` passes an untrusted peer's chain on; the default, `replace`, is in test_forwarded_headers."""
     request = (
         b"GET /echo/fwd HTTP/1.1\r\nHost: api.example.test:8443\r\nConnection: close\r\n"
         b"X-Forwarded-For: 203.0.113.7\r\nX-Forwarded-For: 198.51.100.2, 192.0.2.9\r\n"
         b"X-Forwarded-Proto: https\r\nX-Forwarded-Host: forged.example\r\n\r\n"
     )
-    status, _, body = await raw_exchange(gw.url, request)
+    async with running_gateway("forwarded_headers: append" + passthrough_config(upstream)) as gw:
+        status, _, body = await raw_exchange(gw.url, request)
     echo = json.loads(body)
     assert status == 200
     assert seen_headers(echo, "X-Forwarded-For") == ["203.0.113.7, 198.51.100.2, 192.0.2.9, 127.0.0.1"]

@@ -16,10 +16,14 @@ from urllib.parse import parse_qsl, urlsplit
 
 import yaml
 
+from gateway.config import jwt_keys
 from gateway.config.model import (
     FailurePolicy,
+    ForwardedHeaders,
     GatewayConfig,
     IdentitySource,
+    JwtConfig,
+    JwtFailure,
     Limit,
     Match,
     Route,
@@ -46,7 +50,13 @@ DEFAULT_MAX_IN_FLIGHT = 1024  # per process; wrk: req/s flat from 100 to 2000 in
 DEFAULT_CONNECT_TIMEOUT = "5s"
 DEFAULT_READ_TIMEOUT = "60s"
 STORE_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
-IDENTITY_KINDS = ("header", "query", "cookie")
+IDENTITY_KINDS = ("header", "query", "cookie", "jwt")
+# Headers an identity may not be read from: hop-by-hop fields never reach the upstream, and
+# the forwarding headers are the gateway's to write (`ip` with trusted_proxies reads them).
+UNKEYABLE_HEADERS = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade"}
+    | {"x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "forwarded"}
+)
 _INTERPOLATION_RE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _LIMIT_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _HOST_RE = re.compile(r"^(?:[a-z0-9](?:[a-z0-9\-]*[a-z0-9])?\.)*[a-z0-9](?:[a-z0-9\-]*[a-z0-9])?$|^\[[0-9a-f:.]+\]$")
@@ -160,7 +170,7 @@ def parse_config(text: str, *, source: str, environ: Mapping[str, str]) -> Gatew
         raise ConfigError(f"{source}: malformed YAML: nested too deeply") from None
     try:
         document = _interpolate(document, "", environ, reader)
-        return _build(document, reader)
+        return _build(document, reader, environ)
     except RecursionError:
         # Only reachable through aliases that nest a document into itself many times over.
         raise ConfigError(f"{source}: nested too deeply") from None
@@ -197,14 +207,17 @@ def _interpolate(value: Any, path: str, environ: Mapping[str, str], reader: _Rea
     return result
 
 
-def _build(document: Any, r: _Reader) -> GatewayConfig:
+def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConfig:
     if document is None:
         r.fail("", "the file is empty; it needs at least `routes`")
     top = r.mapping(
         document,
         "",
         required=("routes",),
-        optional=("listen", "admin_listen", "workers", "max_in_flight", "store", "trusted_proxies", "limits", "shutdown_grace"),
+        optional=(
+            "listen", "admin_listen", "workers", "max_in_flight", "store", "trusted_proxies", "limits",
+            "shutdown_grace", "forwarded_headers", "jwt",
+        ),
     )
     listen = r.parsed(parse_address, top.get("listen", DEFAULT_LISTEN), "listen")
     admin_listen = r.parsed(parse_address, top.get("admin_listen", DEFAULT_ADMIN_LISTEN), "admin_listen")
@@ -224,11 +237,25 @@ def _build(document: Any, r: _Reader) -> GatewayConfig:
         r.parsed(lambda v: ipaddress.ip_network(str(v), strict=False), item, f"trusted_proxies[{i}]")
         for i, item in enumerate(r.sequence(top.get("trusted_proxies", []), "trusted_proxies"))
     )
+    forwarded_text = top.get("forwarded_headers", ForwardedHeaders.REPLACE.value)
+    try:
+        forwarded_headers = ForwardedHeaders(forwarded_text)
+    except ValueError:
+        r.fail("forwarded_headers", f"expected replace or append, got {forwarded_text!r}")
+    jwt_config = _jwt(top["jwt"], r, environ) if top.get("jwt") is not None else None
     limits_doc = top.get("limits") or {}
     limits = {
         name: _limit(name, spec, f"limits.{name}", r)
         for name, spec in r.mapping(limits_doc, "limits", optional=tuple(limits_doc) if isinstance(limits_doc, dict) else ()).items()
     }
+    jwt_sources = [
+        (name, i) for name, limit in limits.items() for i, source in enumerate(limit.key) if source.kind == "jwt"
+    ]
+    if jwt_sources and jwt_config is None:
+        name, i = jwt_sources[0]
+        r.fail(f"limits.{name}.key[{i}]", "a jwt:CLAIM source needs a top-level `jwt` block with the keys that verify tokens")
+    if jwt_config is not None and not jwt_sources:
+        r.fail("jwt", "no limit's `key` has a jwt:CLAIM source, so these keys would verify nothing")
     routes_doc = r.sequence(top["routes"], "routes")
     if not routes_doc:
         r.fail("routes", "expected at least one route")
@@ -244,6 +271,41 @@ def _build(document: Any, r: _Reader) -> GatewayConfig:
         limits=tuple(limits.values()),
         routes=routes,
         shutdown_grace=r.parsed(parse_duration, top.get("shutdown_grace", DEFAULT_SHUTDOWN_GRACE), "shutdown_grace"),
+        forwarded_headers=forwarded_headers,
+        jwt=jwt_config,
+    )
+
+
+def _jwt(doc: Any, r: _Reader, environ: Mapping[str, str]) -> JwtConfig:
+    spec = r.mapping(
+        doc,
+        "jwt",
+        optional=("secret_env", "public_key_file", "jwks_file", "issuer", "audience", "leeway", "on_invalid"),
+    )
+    given = [key for key in ("secret_env", "public_key_file", "jwks_file") if key in spec]
+    if len(given) != 1:
+        r.fail("jwt", "expected exactly one of secret_env (HS256), public_key_file or jwks_file (RS256, ES256)")
+    where = f"jwt.{given[0]}"
+    value = r.string(spec[given[0]], where)
+    if given[0] == "secret_env":
+        if value not in environ:
+            r.fail(where, f"environment variable {value} is not set")
+        keys = (r.parsed(jwt_keys.hs256_key, environ[value], where),)
+    elif given[0] == "public_key_file":
+        keys = (r.parsed(jwt_keys.public_key_file, value, where),)
+    else:
+        keys = r.parsed(jwt_keys.jwks_file, value, where)
+    on_invalid_text = spec.get("on_invalid", JwtFailure.NEXT.value)
+    try:
+        on_invalid = JwtFailure(on_invalid_text)
+    except ValueError:
+        r.fail("jwt.on_invalid", f"expected next or reject, got {on_invalid_text!r}")
+    return JwtConfig(
+        keys=keys,
+        issuer=r.string(spec["issuer"], "jwt.issuer") if "issuer" in spec else None,
+        audience=r.string(spec["audience"], "jwt.audience") if "audience" in spec else None,
+        leeway=r.parsed(parse_duration, spec["leeway"], "jwt.leeway") if "leeway" in spec else 0.0,
+        on_invalid=on_invalid,
     )
 
 
@@ -351,7 +413,7 @@ def _limit(name: Any, doc: Any, path: str, r: _Reader) -> Limit:
 
 
 def _identity(value: Any, path: str, r: _Reader) -> IdentitySource:
-    expected = "expected ip, header:NAME, query:NAME or cookie:NAME"
+    expected = "expected ip, header:NAME, query:NAME, cookie:NAME or jwt:CLAIM"
     if not isinstance(value, str):
         r.fail(path, f"{expected}, got {_type_name(value)}")
     if value == "ip":
@@ -363,6 +425,10 @@ def _identity(value: Any, path: str, r: _Reader) -> IdentitySource:
         if not _HTTP_TOKEN_RE.match(name):
             r.fail(path, f"{name!r} is not a valid header name")
         name = name.lower()
+        if name in UNKEYABLE_HEADERS:
+            r.fail(path, f"{name} is not forwarded as the client sent it, so it cannot be an identity (use ip with trusted_proxies)")
+    if kind == "jwt" and not _HTTP_TOKEN_RE.match(name):
+        r.fail(path, f"{name!r} is not a claim name")
     return IdentitySource(kind=kind, name=name)
 
 
@@ -385,6 +451,15 @@ def _route(doc: Any, path: str, limits: Mapping[str, Limit], r: _Reader) -> Rout
     names = [rl.limit.name for rl in route_limits]
     if len(set(names)) != len(names):
         r.fail(f"{path}.limits", "a limit may appear only once per route")
+    preserve_host = r.boolean(spec.get("preserve_host", False), f"{path}.preserve_host")
+    for i, rl in enumerate(route_limits):
+        if not preserve_host and any(s.kind == "header" and s.name == "host" for s in rl.limit.key):
+            # The upstream would be charged one client and see another.
+            r.fail(
+                f"{path}.limits[{i}]",
+                f"limit {rl.limit.name!r} reads header:Host, which this route replaces with the upstream's host; "
+                "set preserve_host: true",
+            )
     timeout_doc = r.mapping(spec.get("timeout", {}), f"{path}.timeout", optional=("connect", "read"))
     timeout = UpstreamTimeout(
         connect=r.parsed(parse_duration, timeout_doc.get("connect", DEFAULT_CONNECT_TIMEOUT), f"{path}.timeout.connect"),
@@ -395,7 +470,7 @@ def _route(doc: Any, path: str, limits: Mapping[str, Limit], r: _Reader) -> Rout
         upstream=upstream.rstrip("/"),
         limits=tuple(route_limits),
         strip_prefix=r.boolean(spec.get("strip_prefix", False), f"{path}.strip_prefix"),
-        preserve_host=r.boolean(spec.get("preserve_host", False), f"{path}.preserve_host"),
+        preserve_host=preserve_host,
         timeout=timeout,
     )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.config.units import Address, Rate
 
@@ -23,15 +24,48 @@ class FailurePolicy(enum.Enum):
     LOCAL = "local"  # decide with a conservative in-process bucket
 
 
+class ForwardedHeaders(enum.Enum):
+    """What becomes of X-Forwarded-For, -Proto, -Host and Forwarded sent by a peer that is not trusted."""
+
+    REPLACE = "replace"  # the edge: a client's own forwarding headers are dropped and written anew
+    APPEND = "append"  # behind a proxy not listed in trusted_proxies: pass them on, our hop added
+
+
+class JwtFailure(enum.Enum):
+    """What an invalid, expired or unsigned bearer token does to a request."""
+
+    NEXT = "next"  # it is not an identity: the next source of the limit's key decides
+    REJECT = "reject"  # 401
+
+
 @dataclass(frozen=True, kw_only=True)
 class IdentitySource:
-    """Where a client identity comes from: the peer address, or a named header, query or cookie."""
+    """Where a client identity comes from: the peer address, a named header, query or cookie,
+    or a claim of a verified JWT."""
 
-    kind: str  # "ip" | "header" | "query" | "cookie"
-    name: str = ""
+    kind: str  # "ip" | "header" | "query" | "cookie" | "jwt"
+    name: str = ""  # header names lower case; for "jwt", the claim
 
     def __str__(self) -> str:
         return self.kind if self.kind == "ip" else f"{self.kind}:{self.name}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class JwtKey:
+    """One key a bearer token may be signed with, bound to its one algorithm."""
+
+    algorithm: str  # "HS256" | "RS256" | "ES256"
+    key: Any  # bytes for HS256, a `cryptography` public key otherwise
+    kid: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class JwtConfig:
+    keys: tuple[JwtKey, ...]
+    issuer: str | None
+    audience: str | None
+    leeway: float  # seconds of clock skew allowed on exp, nbf and iat
+    on_invalid: JwtFailure
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,3 +140,5 @@ class GatewayConfig:
     limits: tuple[Limit, ...]
     routes: tuple[Route, ...]
     shutdown_grace: float
+    forwarded_headers: ForwardedHeaders = ForwardedHeaders.REPLACE
+    jwt: JwtConfig | None = None  # how `jwt:CLAIM` identity sources verify their token

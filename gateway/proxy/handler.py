@@ -23,11 +23,11 @@ from gateway.config.model import GatewayConfig
 from gateway.limiter.limiter import DENY, FAIL_CLOSED, FAIL_LOCAL, UNLIMITED, Decision, Limiter
 from gateway.limiter.store import LimitCheck
 from gateway.metrics import STATUS_CLASSES, Metrics, method_label
-from gateway.proxy.client_identity import ClientIdentity
-from gateway.proxy.headers import add_forwarded, end_to_end
+from gateway.proxy.client_identity import ClientIdentity, IdentityRejected
+from gateway.proxy.headers import GATEWAY_WRITTEN, add_forwarded, end_to_end
 from gateway.proxy.problem import problem, problem_response
 from gateway.proxy.ratelimit_headers import ratelimit_headers, retry_after_seconds
-from gateway.proxy.route_plan import RoutePlan, compile_plans
+from gateway.proxy.route_plan import Plans, RoutePlan, compile_plans
 from gateway.proxy.routing import normalize_path
 from gateway.proxy.websocket import is_websocket_upgrade, proxy_websocket
 
@@ -95,7 +95,7 @@ class ProxyHandler:
                 self._metrics.shed.inc()
                 response = problem_response(503, plans.shed, headers=_RETRY_AFTER_ONE)
                 return response
-            response = await self._limited(request, plan, plans.identity, normalized)
+            response = await self._limited(request, plan, plans, normalized)
             return response
         finally:
             self._in_flight -= 1
@@ -103,28 +103,29 @@ class ProxyHandler:
             status = response.status if response is not None else 500
             requests(method_label(request.method), STATUS_CLASSES[status // 100]).inc()
 
-    async def _limited(
-        self, request: web.BaseRequest, plan: RoutePlan, identity: ClientIdentity, normalized: str
-    ) -> web.StreamResponse:
-        decision = await self._decide(request, plan, identity)
+    async def _limited(self, request: web.BaseRequest, plan: RoutePlan, plans: Plans, normalized: str) -> web.StreamResponse:
+        try:
+            decision = await self._decide(request, plan, plans.identity)
+        except IdentityRejected as exc:
+            # Nothing was charged, and the upstream never hears of it.
+            return problem(exc.status, exc.title, exc.detail, headers=exc.headers)
         limit_headers = ratelimit_headers(decision.statuses, plan.policies)
         if not decision.allowed:
             return _rejection(plan, decision, limit_headers)
         url = _upstream_url(request, plan, normalized)
+        headers = _forward_headers(request, plan, plans)
         if is_websocket_upgrade(request):
-            return await proxy_websocket(
-                request, self._sessions[plan.upstream], url, _forward_headers(request, plan), limit_headers
-            )
-        return await self._forward(request, plan, url, limit_headers)
+            return await proxy_websocket(request, self._sessions[plan.upstream], url, headers, limit_headers)
+        return await self._forward(request, plan, url, headers, limit_headers)
 
     async def _decide(self, request: web.BaseRequest, plan: RoutePlan, identity: ClientIdentity) -> Decision:
         if not plan.limits:
             return UNLIMITED
         started = time.perf_counter()
         client_ip = identity.client_ip(request)
+        identities = identity.identities(request, plan.identity, client_ip)
         checks = [
-            LimitCheck(limit=lp.limit, identity=identity.identity(request, lp.key, client_ip), cost=lp.cost)
-            for lp in plan.limits
+            LimitCheck(limit=lp.limit, identity=who, cost=lp.cost) for lp, who in zip(plan.limits, identities)
         ]
         decision = await self._limiter.check(checks)
         self._metrics.limiter_latency.observe(time.perf_counter() - started)
@@ -133,10 +134,14 @@ class ProxyHandler:
         return decision
 
     async def _forward(
-        self, request: web.BaseRequest, plan: RoutePlan, url: URL, limit_headers: dict[str, str]
+        self,
+        request: web.BaseRequest,
+        plan: RoutePlan,
+        url: URL,
+        headers: CIMultiDict[str],
+        limit_headers: dict[str, str],
     ) -> web.StreamResponse:
         session = self._sessions[plan.upstream]
-        headers = _forward_headers(request, plan)
         sent = time.perf_counter()
         try:
             async with session.request(
@@ -228,12 +233,21 @@ def _upstream_url(request: web.BaseRequest, plan: RoutePlan, normalized: str) ->
     return URL(plan.upstream + raw_path + ("?" + query if query else ""), encoded=True)
 
 
-def _forward_headers(request: web.BaseRequest, plan: RoutePlan) -> CIMultiDict[str]:
-    headers = end_to_end(request.headers)
+def _forward_headers(request: web.BaseRequest, plan: RoutePlan, plans: Plans) -> CIMultiDict[str]:
+    headers = end_to_end(request.headers, GATEWAY_WRITTEN)
     original_host = request.headers.get("Host", "")
     if not plan.preserve_host:
         headers.popall("Host", None)
-    add_forwarded(headers, peer=request.remote or "", proto=request.scheme, host=original_host)
+    remote = request.remote or ""
+    peer, trusted = plans.identity.address(remote)  # a dict hit for a returning client
+    add_forwarded(
+        headers,
+        peer=peer or remote,
+        proto=request.scheme,
+        host=original_host,
+        trusted=trusted,
+        replace=plans.replace_forwarded,
+    )
     return headers
 
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import aiohttp
 from yarl import URL
 
-from gateway.config.model import GatewayConfig, Limit, Match, Route
+from gateway.config.model import ForwardedHeaders, GatewayConfig, Limit, Match, Route
 from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics
-from gateway.proxy.client_identity import ClientIdentity, IdentityKey
+from gateway.proxy.client_identity import ClientIdentity, IdentityKey, RouteIdentity
 from gateway.proxy.problem import ProblemTemplate, problem_body
 from gateway.proxy.ratelimit_headers import policy
 from gateway.proxy.routing import Router
@@ -29,7 +29,6 @@ from gateway.proxy.routing import Router
 class LimitPlan:
     limit: Limit
     cost: int
-    key: IdentityKey
     decisions: Children  # gateway_limiter_decisions_total for this route and limit, by decision
 
 
@@ -64,6 +63,7 @@ class RoutePlan:
     preserve_host: bool
     timeout: aiohttp.ClientTimeout
     limits: tuple[LimitPlan, ...]
+    identity: RouteIdentity  # what the limits read, and the headers Connection may not name
     policies: tuple[str, ...]  # RateLimit-Policy of each limit, in order
     upstream_timeout: bytes  # the 504 body
     requests: Children  # gateway_requests_total for this route, by method and status class
@@ -97,6 +97,7 @@ class Plans:
 
     router: Router[RoutePlan]
     identity: ClientIdentity
+    replace_forwarded: bool  # `forwarded_headers: replace`: an untrusted peer's forwarding headers are dropped
     unmatched: Children  # gateway_requests_total for requests no route takes, by method and status class
     upstreams: tuple[str, ...]
     max_in_flight: int
@@ -107,7 +108,8 @@ def compile_plans(config: GatewayConfig, metrics: Metrics) -> Plans:
     routes = tuple(_route_plan(route, metrics) for route in config.routes)
     return Plans(
         router=Router(routes),
-        identity=ClientIdentity(config.trusted_proxies),
+        identity=ClientIdentity(config.trusted_proxies, config.jwt),
+        replace_forwarded=config.forwarded_headers is ForwardedHeaders.REPLACE,
         unmatched=Children(metrics.requests, ("method", "status_class"), route=UNMATCHED_ROUTE),
         upstreams=tuple(sorted({plan.upstream for plan in routes})),
         max_in_flight=config.max_in_flight,
@@ -130,11 +132,11 @@ def _route_plan(route: Route, metrics: Metrics) -> RoutePlan:
             LimitPlan(
                 limit=rl.limit,
                 cost=rl.cost,
-                key=IdentityKey.of(rl.limit.key),
                 decisions=Children(metrics.decisions, ("decision",), route=label, limit=rl.limit.name),
             )
             for rl in route.limits
         ),
+        identity=RouteIdentity.of([IdentityKey.of(rl.limit.key) for rl in route.limits]),
         policies=tuple(policy(rl.limit) for rl in route.limits),
         upstream_timeout=problem_body(
             504,
