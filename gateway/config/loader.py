@@ -7,6 +7,7 @@ the YAML path (such as `routes[1].limits[0].name`) and what was expected.
 
 from __future__ import annotations
 
+import enum
 import ipaddress
 import os
 import re
@@ -17,17 +18,21 @@ from urllib.parse import parse_qsl, urlsplit
 import yaml
 
 from gateway.config.model import (
+    DotSegments,
+    EscapedSlashes,
     FailurePolicy,
     GatewayConfig,
     IdentitySource,
     Limit,
     Match,
+    PathNormalization,
     Route,
     RouteLimit,
     StoreConfig,
     UpstreamTimeout,
 )
 from gateway.config.units import REDIS_PORT, SENTINEL_PORT, parse_address, parse_duration, parse_rate, split_hosts
+from gateway.proxy.paths import route_path_error
 
 # Envoy's rate-limit filter defaults to 20 ms; 10 ms leaves a same-zone Redis
 # (~0.2 ms round trip) fifty times its usual latency before a request pays for it.
@@ -204,7 +209,17 @@ def _build(document: Any, r: _Reader) -> GatewayConfig:
         document,
         "",
         required=("routes",),
-        optional=("listen", "admin_listen", "workers", "max_in_flight", "store", "trusted_proxies", "limits", "shutdown_grace"),
+        optional=(
+            "listen",
+            "admin_listen",
+            "workers",
+            "max_in_flight",
+            "store",
+            "trusted_proxies",
+            "limits",
+            "shutdown_grace",
+            "path_normalization",
+        ),
     )
     listen = r.parsed(parse_address, top.get("listen", DEFAULT_LISTEN), "listen")
     admin_listen = r.parsed(parse_address, top.get("admin_listen", DEFAULT_ADMIN_LISTEN), "admin_listen")
@@ -244,7 +259,28 @@ def _build(document: Any, r: _Reader) -> GatewayConfig:
         limits=tuple(limits.values()),
         routes=routes,
         shutdown_grace=r.parsed(parse_duration, top.get("shutdown_grace", DEFAULT_SHUTDOWN_GRACE), "shutdown_grace"),
+        path_normalization=_path_normalization(top.get("path_normalization", {}), r),
     )
+
+
+def _path_normalization(doc: Any, r: _Reader) -> PathNormalization:
+    spec = r.mapping(doc, "path_normalization", optional=("dot_segments", "escaped_slashes", "merge_slashes"))
+    return PathNormalization(
+        dot_segments=_choice(
+            DotSegments, spec.get("dot_segments", DotSegments.RESOLVE.value), "path_normalization.dot_segments", r
+        ),
+        escaped_slashes=_choice(
+            EscapedSlashes, spec.get("escaped_slashes", EscapedSlashes.KEEP.value), "path_normalization.escaped_slashes", r
+        ),
+        merge_slashes=r.boolean(spec.get("merge_slashes", True), "path_normalization.merge_slashes"),
+    )
+
+
+def _choice(kind: type[enum.Enum], value: Any, path: str, r: _Reader) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        r.fail(path, f"expected {' or '.join(member.value for member in kind)}, got {value!r}")
 
 
 def _store(doc: Any, r: _Reader) -> StoreConfig:
@@ -368,7 +404,7 @@ def _identity(value: Any, path: str, r: _Reader) -> IdentitySource:
 
 def _route(doc: Any, path: str, limits: Mapping[str, Limit], r: _Reader) -> Route:
     spec = r.mapping(
-        doc, path, required=("match", "upstream"), optional=("limits", "strip_prefix", "preserve_host", "timeout")
+        doc, path, required=("match", "upstream"), optional=("limits", "strip_prefix", "preserve_host", "allow_path_parameters", "timeout")
     )
     match = _match(spec["match"], f"{path}.match", r)
     upstream = r.string(spec["upstream"], f"{path}.upstream")
@@ -397,14 +433,16 @@ def _route(doc: Any, path: str, limits: Mapping[str, Limit], r: _Reader) -> Rout
         strip_prefix=r.boolean(spec.get("strip_prefix", False), f"{path}.strip_prefix"),
         preserve_host=r.boolean(spec.get("preserve_host", False), f"{path}.preserve_host"),
         timeout=timeout,
+        allow_path_parameters=r.boolean(spec.get("allow_path_parameters", False), f"{path}.allow_path_parameters"),
     )
 
 
 def _match(doc: Any, path: str, r: _Reader) -> Match:
-    spec = r.mapping(doc, path, required=("path",), optional=("methods", "host"))
+    spec = r.mapping(doc, path, required=("path",), optional=("methods", "host", "case_sensitive"))
     prefix = r.string(spec["path"], f"{path}.path")
-    if not prefix.startswith("/"):
-        r.fail(f"{path}.path", f"expected a path starting with /, got {prefix!r}")
+    error = route_path_error(prefix)
+    if error is not None:
+        r.fail(f"{path}.path", f"{error}, got {prefix!r}")
     methods = None
     if "methods" in spec:
         items = r.sequence(spec["methods"], f"{path}.methods")
@@ -415,7 +453,8 @@ def _match(doc: Any, path: str, r: _Reader) -> Match:
     host = r.string(spec["host"], f"{path}.host").lower().rstrip(".") if "host" in spec else None
     if host is not None and not _HOST_RE.match(host):
         r.fail(f"{path}.host", f"expected a host name without a port, such as api.example.com, got {spec['host']!r}")
-    return Match(path=prefix.rstrip("/") or "/", methods=methods, host=host)
+    case_sensitive = r.boolean(spec.get("case_sensitive", True), f"{path}.case_sensitive")
+    return Match(path=prefix.rstrip("/") or "/", methods=methods, host=host, case_sensitive=case_sensitive)
 
 
 def _route_limit(item: Any, path: str, limits: Mapping[str, Limit], r: _Reader) -> RouteLimit:
