@@ -16,7 +16,10 @@ import json
 import pytest
 from aiohttp import web
 
-from gateway.testing import running_gateway
+from gateway.config import ConfigError, parse_config
+from gateway.config.model import DotSegments, EscapedSlashes, PathNormalization
+from gateway.testing import config_from_yaml, running_gateway
+from tests.processes import run_cli
 from tests.test_proxy import raw_exchange, values
 
 # One knob changed from the default at a time; "default" is no `path_normalization` at all.
@@ -299,3 +302,70 @@ async def test_an_absolute_form_target_is_read_by_the_same_rule(recorder):
     async with running_gateway(paths_config(upstream)) as gw:
         assert await forwarded(gw.url, seen, "http://gw/api/%2e%2e/public/x?q=1") == ("public", "/public/x?q=1")
         await refused(gw.url, seen, "http://gw/api;x/y")
+
+
+# --- the setting in the config ---------------------------------------------------------------
+
+
+def test_the_setting_and_route_options_are_read_and_default_to_the_safe_choices():
+    config = config_from_yaml(paths_config("http://up.internal"))
+    assert config.path_normalization == PathNormalization(
+        dot_segments=DotSegments.RESOLVE, escaped_slashes=EscapedSlashes.KEEP, merge_slashes=True
+    )
+    assert all(route.match.case_sensitive and not route.allow_path_parameters for route in config.routes)
+    config = config_from_yaml(
+        "path_normalization: {dot_segments: reject, escaped_slashes: decode, merge_slashes: false}\n"
+        + paths_config("http://up.internal", parameters=True, case_insensitive=True)
+    )
+    assert config.path_normalization == PathNormalization(
+        dot_segments=DotSegments.REJECT, escaped_slashes=EscapedSlashes.DECODE, merge_slashes=False
+    )
+    assert not config.routes[1].match.case_sensitive
+    assert config.routes[1].allow_path_parameters
+
+
+def test_gateway_check_shows_the_setting_and_the_route_options(tmp_path):
+    path = tmp_path / "gw.yaml"
+    path.write_text(
+        "path_normalization: {escaped_slashes: reject}\n"
+        + paths_config("http://127.0.0.1:9000", parameters=True, case_insensitive=True)
+    )
+    result = run_cli("check", "-c", str(path))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "paths: dot_segments resolve, escaped_slashes reject, merge_slashes true" in lines
+    assert "  [1] /api -> http://127.0.0.1:9000: api (cost 1); allow_path_parameters, case-insensitive, " \
+        "timeout connect 5s read 60s" in lines
+
+
+ROUTE = "routes:\n  - match: {path: /api}\n    upstream: http://up.internal\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("path_normalization: {dot_segments: drop}\n" + ROUTE,
+         "path_normalization.dot_segments: expected resolve or reject, got 'drop'"),
+        ("path_normalization: {escaped_slashes: true}\n" + ROUTE,
+         "path_normalization.escaped_slashes: expected keep or reject or decode, got True"),
+        ("path_normalization: {merge_slashes: sometimes}\n" + ROUTE,
+         "path_normalization.merge_slashes: expected true or false, got a string"),
+        ("path_normalization: {normalize: true}\n" + ROUTE,
+         "path_normalization.normalize: unknown key (expected one of: dot_segments, escaped_slashes, merge_slashes)"),
+        ("path_normalization: resolve\n" + ROUTE, "path_normalization: expected a mapping, got a string"),
+        (ROUTE.replace("/api}", "/api, case_sensitive: nope}"), "routes[0].match.case_sensitive: expected true or false"),
+        (ROUTE + "    allow_path_parameters: 1\n", "routes[0].allow_path_parameters: expected true or false"),
+        (ROUTE.replace("/api}", "/api%2Fv1}"), "routes[0].match.path: write the path decoded"),
+        (ROUTE.replace("/api}", "/api;v=1}"), "routes[0].match.path: write the path decoded"),
+        (ROUTE.replace("/api}", "/api/../admin}"), "routes[0].match.path: expected a path without empty, '.' or '..'"),
+        (ROUTE.replace("/api}", "//api}"), "routes[0].match.path: expected a path without empty"),
+        (ROUTE.replace("/api}", "'/api /x'}"), "routes[0].match.path: a segment may not begin or end with a space"),
+        (ROUTE.replace("/api}", "api}"), "routes[0].match.path: expected a path starting with /, got 'api'"),
+    ],
+)
+def test_a_bad_setting_or_route_path_is_a_one_line_config_error(text, expected):
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, source="gw.yaml", environ={})
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("gw.yaml: " + expected), message

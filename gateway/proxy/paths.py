@@ -65,7 +65,7 @@ class NormalPath(NamedTuple):
 
 # The usual path, which every setting leaves as it is: only unencoded path characters
 # other than ";", no empty segment (except a trailing slash), no "." or ".." segment.
-_PLAIN = re.compile(r"(?:/(?!\.\.?(?:/|$))[A-Za-z0-9\-._~!$&'()*+,=:@]+)*/?").fullmatch
+_PLAIN = re.compile(r"(?:/(?!\.\.?(?:/|$))[A-Za-z0-9\-._~!$&'()*+,=:@]+)+/?|/").fullmatch
 _PATH_CHARACTERS = re.compile(r"/[A-Za-z0-9\-._~!$&'()*+,;=:@/%]*").fullmatch
 _BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})").search
 _ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})")
