@@ -15,7 +15,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gateway.config.model import DotSegments, EscapedSlashes, PathNormalization
-from gateway.proxy.paths import PathRejected, normalize_path, route_path_error
+from gateway.proxy.paths import PathRejected, normalize_path
 
 DEFAULT = PathNormalization()
 DOTS_REJECT = PathNormalization(dot_segments=DotSegments.REJECT)
@@ -159,30 +159,6 @@ def test_what_every_setting_refuses(raw, setting):
 @pytest.mark.parametrize("raw", ["/", "/api/reports", "/api/reports/", "/static/app.v2.js", "/a-b_c~d/!$&'()*+,=:@"])
 def test_a_plain_path_is_left_alone_by_every_setting(raw, setting):
     assert read(raw, setting) == (raw, raw, False)
-
-
-@pytest.mark.parametrize(
-    ("path", "error"),
-    [
-        ("/api", None),
-        ("/", None),
-        ("/api/reports/", None),
-        ("/files/my docs", None),
-        ("/café", None),
-        ("api", "starting with /"),
-        ("/api/%2F", "decoded"),
-        ("/api;v=1", "decoded"),
-        ("/api?x", "decoded"),
-        ("/api\\x", "decoded"),
-        ("/api//x", "empty"),
-        ("/api/../x", "'..'"),
-        ("/api/./x", "'.'"),
-        ("/api /x", "space"),
-    ],
-)
-def test_a_route_path_must_be_one_a_request_can_match(path, error):
-    found = route_path_error(path)
-    assert (found is None) if error is None else (error in found)
 
 
 # --- properties ---------------------------------------------------------------------

@@ -313,6 +313,10 @@ def test_the_setting_and_route_options_are_read_and_default_to_the_safe_choices(
         dot_segments=DotSegments.RESOLVE, escaped_slashes=EscapedSlashes.KEEP, merge_slashes=True
     )
     assert all(route.match.case_sensitive and not route.allow_path_parameters for route in config.routes)
+    # A route path is written decoded; any that a request path can match is accepted.
+    for path in ("/files/my docs", "/café", "/api/reports/", "/a-b_c~d/!$&'()*+,=:@"):
+        route = config_from_yaml(f"routes:\n  - match: {{path: \"{path}\"}}\n    upstream: http://up.internal\n").routes[0]
+        assert route.match.path == path.rstrip("/")
     config = config_from_yaml(
         "path_normalization: {dot_segments: reject, escaped_slashes: decode, merge_slashes: false}\n"
         + paths_config("http://up.internal", parameters=True, case_insensitive=True)
@@ -361,6 +365,8 @@ ROUTE = "routes:\n  - match: {path: /api}\n    upstream: http://up.internal\n"
         (ROUTE.replace("/api}", "//api}"), "routes[0].match.path: expected a path without empty"),
         (ROUTE.replace("/api}", "'/api /x'}"), "routes[0].match.path: a segment may not begin or end with a space"),
         (ROUTE.replace("/api}", "api}"), "routes[0].match.path: expected a path starting with /, got 'api'"),
+        (ROUTE.replace("/api}", "'/api?x'}"), "routes[0].match.path: write the path decoded"),
+        (ROUTE.replace("/api}", "'/api\\\\x'}"), "routes[0].match.path: write the path decoded"),
     ],
 )
 def test_a_bad_setting_or_route_path_is_a_one_line_config_error(text, expected):

@@ -32,7 +32,6 @@ from gateway.config.model import (
     UpstreamTimeout,
 )
 from gateway.config.units import REDIS_PORT, SENTINEL_PORT, parse_address, parse_duration, parse_rate, split_hosts
-from gateway.proxy.paths import route_path_error
 
 # Envoy's rate-limit filter defaults to 20 ms; 10 ms leaves a same-zone Redis
 # (~0.2 ms round trip) fifty times its usual latency before a request pays for it.
@@ -56,6 +55,7 @@ _INTERPOLATION_RE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?
 _LIMIT_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _HOST_RE = re.compile(r"^(?:[a-z0-9](?:[a-z0-9\-]*[a-z0-9])?\.)*[a-z0-9](?:[a-z0-9\-]*[a-z0-9])?$|^\[[0-9a-f:.]+\]$")
 _HTTP_TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_NOT_IN_ROUTE_PATH = re.compile(r"[%;?#\\\x00-\x1f\x7f]")
 
 
 class ConfigError(Exception):
@@ -440,7 +440,7 @@ def _route(doc: Any, path: str, limits: Mapping[str, Limit], r: _Reader) -> Rout
 def _match(doc: Any, path: str, r: _Reader) -> Match:
     spec = r.mapping(doc, path, required=("path",), optional=("methods", "host", "case_sensitive"))
     prefix = r.string(spec["path"], f"{path}.path")
-    error = route_path_error(prefix)
+    error = _route_path_error(prefix)
     if error is not None:
         r.fail(f"{path}.path", f"{error}, got {prefix!r}")
     methods = None
@@ -455,6 +455,22 @@ def _match(doc: Any, path: str, r: _Reader) -> Match:
         r.fail(f"{path}.host", f"expected a host name without a port, such as api.example.com, got {spec['host']!r}")
     case_sensitive = r.boolean(spec.get("case_sensitive", True), f"{path}.case_sensitive")
     return Match(path=prefix.rstrip("/") or "/", methods=methods, host=host, case_sensitive=case_sensitive)
+
+
+def _route_path_error(path: str) -> str | None:
+    """Why a route's `match.path` could never match a request path as gateway.proxy.paths
+    reads it, or None if it can. It is written decoded, as the upstream's own routes are
+    (`/files/my docs`, not `my%20docs`), and none of these survive into a decoded path."""
+    if not path.startswith("/"):
+        return "expected a path starting with /"
+    if _NOT_IN_ROUTE_PATH.search(path):
+        return "write the path decoded, without %, ;, ?, #, \\ or control characters"
+    for segment in path.rstrip("/").split("/")[1:]:
+        if segment in ("", ".", ".."):
+            return "expected a path without empty, '.' or '..' segments"
+        if segment != segment.strip(" "):
+            return "a segment may not begin or end with a space"
+    return None
 
 
 def _route_limit(item: Any, path: str, limits: Mapping[str, Limit], r: _Reader) -> RouteLimit:

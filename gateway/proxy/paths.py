@@ -63,26 +63,29 @@ class NormalPath(NamedTuple):
     parameters: bool  # some segment carried `;` parameters
 
 
+# NamedTuple's own constructor is Python code; on the fast path this C call makes the same tuple.
+_new_path = tuple.__new__
+
+
 # The usual path, which every setting leaves as it is: only unencoded path characters
 # other than ";", no empty segment (except a trailing slash), no "." or ".." segment.
 _PLAIN = re.compile(r"(?:/(?!\.\.?(?:/|$))[A-Za-z0-9\-._~!$&'()*+,=:@]+)+/?|/").fullmatch
 _PATH_CHARACTERS = re.compile(r"/[A-Za-z0-9\-._~!$&'()*+,;=:@/%]*").fullmatch
 _BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})").search
 _ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})")
+# An escape of an unreserved character (ALPHA, DIGIT, "-", ".", "_", "~"), or with lower-case hex.
+_NOT_CANONICAL = re.compile(r"%(?:[46][1-9A-Fa-f]|[57][0-9Aa]|3[0-9]|2[DEde]|5[Ff]|7[Ee]|[0-9A-Fa-f][a-f]|[a-f][0-9A-F])").search
 _ENCODED_SLASH = re.compile(r"%2[Ff]")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]").search
 _SLASH_OR_BACKSLASH = re.compile(r"[/\\]")
 _UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 _DOTS = (".", "..")
-# Characters a route's configured path may not hold: it is written decoded, and these
-# never survive into a request's decoded match path.
-_NOT_IN_ROUTE_PATH = re.compile(r"[%;?#\\\x00-\x1f\x7f]").search
 
 
 def normalize_path(raw: str, rule: PathNormalization) -> NormalPath:
     """Read `raw`, a request target's path as received (before any `?`), by the rule above."""
     if _PLAIN(raw):
-        return NormalPath(raw, raw, False)
+        return _new_path(NormalPath, (raw, raw, False))
     if not _PATH_CHARACTERS(raw):
         raise PathRejected("The path holds a character a path may not hold unencoded (RFC 3986 section 3.3).")
     if "%" in raw:
@@ -101,7 +104,8 @@ def normalize_path(raw: str, rule: PathNormalization) -> NormalPath:
         name = segment.partition(";")[0]
         if "%" in segment:
             name = _decoded(name)
-            segment = _ESCAPE.sub(_canonical_escape, segment)
+            if _NOT_CANONICAL(segment):
+                segment = _ESCAPE.sub(_canonical_escape, segment)
         if name in _DOTS:
             if not resolve_dots:
                 raise PathRejected("The path holds a '.' or '..' segment, which this gateway does not accept.")
@@ -122,21 +126,6 @@ def normalize_path(raw: str, rule: PathNormalization) -> NormalPath:
         match.append(name)
     end = "/" if trailing and forward else ""
     return NormalPath("/" + "/".join(forward) + end, "/" + "/".join(match) + end, ";" in raw)
-
-
-def route_path_error(path: str) -> str | None:
-    """Why a route's `match.path` could never match a normalized path, or None if it can.
-    It is written decoded, as the upstream's own routes are: `/files/my docs`, not `my%20docs`."""
-    if not path.startswith("/"):
-        return "expected a path starting with /"
-    if _NOT_IN_ROUTE_PATH(path):
-        return "write the path decoded, without %, ;, ?, #, \\ or control characters"
-    for segment in path.rstrip("/").split("/")[1:]:
-        if segment in ("", ".", ".."):
-            return "expected a path without empty, '.' or '..' segments"
-        if segment != segment.strip(" "):
-            return "a segment may not begin or end with a space"
-    return None
 
 
 def _decoded(name: str) -> str:
