@@ -99,6 +99,7 @@ def test_parameters_are_left_out_of_the_match_and_flagged(raw, forward, match):
         "/api/%00",
         "/api/x%0A",
         "/api/%7f",
+        "/api/x;a=%00",
         "/api/%zz",
         "/api/%2",
         "/api/%",
