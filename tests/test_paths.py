@@ -11,10 +11,12 @@ the route that was charged."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 from aiohttp import web
+from yarl import URL
 
 from gateway.config import ConfigError, parse_config
 from gateway.config.model import DotSegments, EscapedSlashes, PathNormalization
@@ -295,6 +297,50 @@ async def test_strip_prefix_removes_the_matched_segments_from_the_forwarded_path
     async with running_gateway(paths_config(upstream, setting, parameters=True)) as gw:
         # The stripped segment goes with its parameters; the rest keeps theirs.
         assert await forwarded(gw.url, seen, "/svc;v=1/a;b=2") == ("svc", "/a;b=2")
+
+
+async def test_strip_prefix_on_a_case_insensitive_route_strips_the_segments_as_sent(recorder):
+    upstream, seen = recorder
+    config = f"""
+routes:
+  - match: {{path: /svc/v1, case_sensitive: false}}
+    upstream: {upstream}
+    strip_prefix: true
+"""
+    async with running_gateway(config) as gw:
+        for target, received in {"/SVC/V1/a/B": "/a/B", "/Svc/%76%31": "/", "/svc/V1/%2e%2e/v1/x": "/x"}.items():
+            status, _, body = await send(gw.url, target)
+            assert (status, body["path"]) == (200, received)
+        status, _, _ = await send(gw.url, "/svc/v2/x")
+        assert status == 404
+
+
+# --- WebSocket handshakes take the same path ------------------------------------------------
+
+
+def ws_handshake(target: str) -> bytes:
+    return (
+        f"GET {target} HTTP/1.1\r\nHost: gw\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        "Sec-WebSocket-Protocol: chat\r\n\r\n"
+    ).encode()
+
+
+async def test_a_websocket_handshake_is_forwarded_on_the_resolved_path(upstream):
+    config = f"routes:\n  - match: {{path: /}}\n    upstream: {upstream}\n"
+    async with running_gateway(config) as gw:
+        # The upstream serves WebSockets on /ws only: it must get the resolved path, not the raw one.
+        target = URL(gw.url)
+        reader, writer = await asyncio.open_connection(target.host, target.port)
+        try:
+            writer.write(ws_handshake("/x/%2e%2e/ws"))
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        finally:
+            writer.close()
+            await writer.wait_closed()
+        assert head.startswith(b"HTTP/1.1 101"), head
+        status, _, body = await raw_exchange(gw.url, ws_handshake("/ws;x").replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1))
+        assert status == 400, body
 
 
 async def test_an_absolute_form_target_is_read_by_the_same_rule(recorder):
