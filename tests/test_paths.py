@@ -350,6 +350,7 @@ async def test_an_absolute_form_target_is_read_by_the_same_rule(recorder):
     async with running_gateway(paths_config(upstream)) as gw:
         assert await forwarded(gw.url, seen, "http://gw/api/%2e%2e/public/x?q=1") == ("public", "/public/x?q=1")
         await refused(gw.url, seen, "http://gw/api;x/y")
+        assert await forwarded(gw.url, seen, "http://gw?q=1") == ("rest", "/?q=1")
 
 
 # --- the setting in the config ---------------------------------------------------------------

@@ -233,7 +233,8 @@ def _raw_path(request: web.BaseRequest) -> str | None:
         return target.partition("?")[0]  # a "#" stays in, and is refused as no path character
     if request.method == "CONNECT":
         return None
-    raw_path = request.rel_url.raw_path  # absolute-form: yarl splits it off, as received
+    # Absolute-form: yarl has split the path off as received; an empty one means "/" (RFC 9112 §3.2.2).
+    raw_path = request.rel_url.raw_path or "/"
     return raw_path if raw_path[:1] == "/" else None
 
 
