@@ -25,9 +25,10 @@ The rule, with the `path_normalization` setting (Envoy's `normalize_path`,
 4. Encoded slashes (`%2F`), by `escaped_slashes`: `keep` (default) leaves them
    inside their segment both for matching and upstream, so `group%2Fproject` is
    one segment; `reject` refuses them; `decode` turns them into `/` first.
-   With `keep`, a segment that hides `.` or `..` behind an encoded slash or
-   backslash (`..%2Fapi`) is refused, since an upstream that decodes it would
-   resolve what the gateway did not.
+   A segment that hides `.` or `..` behind an encoded slash (`..%2Fapi`, with
+   `keep`) or an encoded backslash (`..%5Capi`, which IIS reads as a slash) is
+   refused, since an upstream that decodes it would resolve what the gateway
+   did not.
 5. Dot segments (`.`, `..`, also encoded as `%2e` and with parameters as in
    `..;`), by `dot_segments`: `resolve` (default, RFC 3986 §5.2.4; `..` above
    the root is dropped) or `reject`.
