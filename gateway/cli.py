@@ -96,6 +96,7 @@ def describe(config: GatewayConfig) -> str:
         if config.store.local_divisor != 1:
             store += f" local_divisor={config.store.local_divisor}"
     trusted = ", ".join(str(network) for network in config.trusted_proxies) or "none (X-Forwarded-For is ignored)"
+    paths = config.path_normalization
     lines = [
         f"{config.source}: OK",
         (
@@ -105,6 +106,10 @@ def describe(config: GatewayConfig) -> str:
         f"store: {store}",
         f"trusted proxies: {trusted}",
         f"forwarded headers: {config.forwarded_headers.value}",
+        (
+            f"paths: dot_segments {paths.dot_segments.value}, escaped_slashes {paths.escaped_slashes.value}, "
+            f"merge_slashes {str(paths.merge_slashes).lower()}"
+        ),
     ]
     if config.jwt is not None:
         algorithms = ", ".join(sorted({key.algorithm for key in config.jwt.keys}))
@@ -124,7 +129,9 @@ def describe(config: GatewayConfig) -> str:
     lines.append("routes (first match wins):")
     for i, route in enumerate(config.routes):
         limits = ", ".join(f"{rl.limit.name} (cost {rl.cost})" for rl in route.limits) or "no limits"
-        options = [name for name in ("strip_prefix", "preserve_host") if getattr(route, name)]
+        options = [name for name in ("strip_prefix", "preserve_host", "allow_path_parameters") if getattr(route, name)]
+        if not route.match.case_sensitive:
+            options.append("case-insensitive")
         options.append(f"timeout connect {route.timeout.connect:g}s read {route.timeout.read:g}s")
         lines.append(f"  [{i}] {route.label} -> {route.upstream}: {limits}; {', '.join(options)}")
     return "\n".join(lines)

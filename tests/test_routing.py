@@ -11,33 +11,10 @@ import aiohttp
 import pytest
 from yarl import URL
 
-from gateway.proxy.routing import Router, normalize_path
+from gateway.proxy.routing import Router
 from gateway.testing import config_from_yaml, running_gateway
 
-# --- pure: normalize_path, Router ---------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("path", "normal"),
-    [
-        ("/", "/"),
-        ("", "/"),
-        ("/api/reports", "/api/reports"),
-        ("/x/../api/reports", "/api/reports"),
-        ("/api/./reports", "/api/reports"),
-        ("//api///reports", "/api/reports"),
-        ("/../../api/reports", "/api/reports"),
-        ("/api/reports/x/..", "/api/reports/"),
-        ("/api/reports/", "/api/reports/"),
-        ("/api/reports/.", "/api/reports/"),
-        ("/a/b/../../..", "/"),
-        ("/..", "/"),
-        ("/api/..reports", "/api/..reports"),
-        ("/api/reports.../x", "/api/reports.../x"),
-    ],
-)
-def test_normalize_path_removes_dot_and_empty_segments(path, normal):
-    assert normalize_path(path) == normal
+# --- pure: Router ---------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -203,7 +180,7 @@ async def test_a_prefix_matches_whole_segments_through_the_gateway(gw, client):
 
 @pytest.mark.parametrize(
     "disguise",
-    ["/x/../api/reports", "/api%2Freports", "/api%2freports", "//api//reports", "/api/./reports", "/api/x/%2e%2e/reports"],
+    ["/x/../api/reports", "//api//reports", "/api/./reports", "/api/x/%2e%2e/reports", "/%61pi/reports"],
 )
 async def test_a_disguised_path_still_gets_the_limits_of_its_route(gw, client, disguise):
     async with client.post(gw.url + "/api/reports") as response:

@@ -7,6 +7,7 @@ the YAML path (such as `routes[1].limits[0].name`) and what was expected.
 
 from __future__ import annotations
 
+import enum
 import ipaddress
 import os
 import re
@@ -18,6 +19,8 @@ import yaml
 
 from gateway.config import jwt_keys
 from gateway.config.model import (
+    DotSegments,
+    EscapedSlashes,
     FailurePolicy,
     ForwardedHeaders,
     GatewayConfig,
@@ -26,6 +29,7 @@ from gateway.config.model import (
     JwtFailure,
     Limit,
     Match,
+    PathNormalization,
     Route,
     RouteLimit,
     StoreConfig,
@@ -61,6 +65,7 @@ _INTERPOLATION_RE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?
 _LIMIT_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _HOST_RE = re.compile(r"^(?:[a-z0-9](?:[a-z0-9\-]*[a-z0-9])?\.)*[a-z0-9](?:[a-z0-9\-]*[a-z0-9])?$|^\[[0-9a-f:.]+\]$")
 _HTTP_TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_NOT_IN_ROUTE_PATH = re.compile(r"[%;?#\\\x00-\x1f\x7f]")
 
 
 class ConfigError(Exception):
@@ -216,7 +221,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         required=("routes",),
         optional=(
             "listen", "admin_listen", "workers", "max_in_flight", "store", "trusted_proxies", "limits",
-            "shutdown_grace", "forwarded_headers", "jwt",
+            "shutdown_grace", "forwarded_headers", "jwt", "path_normalization",
         ),
     )
     listen = r.parsed(parse_address, top.get("listen", DEFAULT_LISTEN), "listen")
@@ -273,6 +278,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         shutdown_grace=r.parsed(parse_duration, top.get("shutdown_grace", DEFAULT_SHUTDOWN_GRACE), "shutdown_grace"),
         forwarded_headers=forwarded_headers,
         jwt=jwt_config,
+        path_normalization=_path_normalization(top.get("path_normalization", {}), r),
     )
 
 
@@ -307,6 +313,26 @@ def _jwt(doc: Any, r: _Reader, environ: Mapping[str, str]) -> JwtConfig:
         leeway=r.parsed(parse_duration, spec["leeway"], "jwt.leeway") if "leeway" in spec else 0.0,
         on_invalid=on_invalid,
     )
+
+
+def _path_normalization(doc: Any, r: _Reader) -> PathNormalization:
+    spec = r.mapping(doc, "path_normalization", optional=("dot_segments", "escaped_slashes", "merge_slashes"))
+    return PathNormalization(
+        dot_segments=_choice(
+            DotSegments, spec.get("dot_segments", DotSegments.RESOLVE.value), "path_normalization.dot_segments", r
+        ),
+        escaped_slashes=_choice(
+            EscapedSlashes, spec.get("escaped_slashes", EscapedSlashes.KEEP.value), "path_normalization.escaped_slashes", r
+        ),
+        merge_slashes=r.boolean(spec.get("merge_slashes", True), "path_normalization.merge_slashes"),
+    )
+
+
+def _choice(kind: type[enum.Enum], value: Any, path: str, r: _Reader) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        r.fail(path, f"expected {' or '.join(member.value for member in kind)}, got {value!r}")
 
 
 def _store(doc: Any, r: _Reader) -> StoreConfig:
@@ -434,7 +460,7 @@ def _identity(value: Any, path: str, r: _Reader) -> IdentitySource:
 
 def _route(doc: Any, path: str, limits: Mapping[str, Limit], r: _Reader) -> Route:
     spec = r.mapping(
-        doc, path, required=("match", "upstream"), optional=("limits", "strip_prefix", "preserve_host", "timeout")
+        doc, path, required=("match", "upstream"), optional=("limits", "strip_prefix", "preserve_host", "allow_path_parameters", "timeout")
     )
     match = _match(spec["match"], f"{path}.match", r)
     upstream = r.string(spec["upstream"], f"{path}.upstream")
@@ -472,14 +498,16 @@ def _route(doc: Any, path: str, limits: Mapping[str, Limit], r: _Reader) -> Rout
         strip_prefix=r.boolean(spec.get("strip_prefix", False), f"{path}.strip_prefix"),
         preserve_host=preserve_host,
         timeout=timeout,
+        allow_path_parameters=r.boolean(spec.get("allow_path_parameters", False), f"{path}.allow_path_parameters"),
     )
 
 
 def _match(doc: Any, path: str, r: _Reader) -> Match:
-    spec = r.mapping(doc, path, required=("path",), optional=("methods", "host"))
+    spec = r.mapping(doc, path, required=("path",), optional=("methods", "host", "case_sensitive"))
     prefix = r.string(spec["path"], f"{path}.path")
-    if not prefix.startswith("/"):
-        r.fail(f"{path}.path", f"expected a path starting with /, got {prefix!r}")
+    error = _route_path_error(prefix)
+    if error is not None:
+        r.fail(f"{path}.path", f"{error}, got {prefix!r}")
     methods = None
     if "methods" in spec:
         items = r.sequence(spec["methods"], f"{path}.methods")
@@ -490,7 +518,24 @@ def _match(doc: Any, path: str, r: _Reader) -> Match:
     host = r.string(spec["host"], f"{path}.host").lower().rstrip(".") if "host" in spec else None
     if host is not None and not _HOST_RE.match(host):
         r.fail(f"{path}.host", f"expected a host name without a port, such as api.example.com, got {spec['host']!r}")
-    return Match(path=prefix.rstrip("/") or "/", methods=methods, host=host)
+    case_sensitive = r.boolean(spec.get("case_sensitive", True), f"{path}.case_sensitive")
+    return Match(path=prefix.rstrip("/") or "/", methods=methods, host=host, case_sensitive=case_sensitive)
+
+
+def _route_path_error(path: str) -> str | None:
+    """Why a route's `match.path` could never match a request path as gateway.proxy.paths
+    reads it, or None if it can. It is written decoded, as the upstream's own routes are
+    (`/files/my docs`, not `my%20docs`), and none of these survive into a decoded path."""
+    if not path.startswith("/"):
+        return "expected a path starting with /"
+    if _NOT_IN_ROUTE_PATH.search(path):
+        return "write the path decoded, without %, ;, ?, #, \\ or control characters"
+    for segment in path.rstrip("/").split("/")[1:]:
+        if segment in ("", ".", ".."):
+            return "expected a path without empty, '.' or '..' segments"
+        if segment != segment.strip(" "):
+            return "a segment may not begin or end with a space"
+    return None
 
 
 def _route_limit(item: Any, path: str, limits: Mapping[str, Limit], r: _Reader) -> RouteLimit:

@@ -38,6 +38,30 @@ class JwtFailure(enum.Enum):
     REJECT = "reject"  # 401
 
 
+class DotSegments(enum.Enum):
+    """What `.` and `..` segments of a request path do (see gateway.proxy.paths)."""
+
+    RESOLVE = "resolve"  # removed as RFC 3986 §5.2.4 says, and the resolved path is forwarded
+    REJECT = "reject"  # 400
+
+
+class EscapedSlashes(enum.Enum):
+    """What an encoded slash (%2F) in a request path does (see gateway.proxy.paths)."""
+
+    KEEP = "keep"  # stays inside its segment, for matching and forwarding: group%2Fproject
+    REJECT = "reject"  # 400
+    DECODE = "decode"  # becomes "/", for matching and forwarding
+
+
+@dataclass(frozen=True, kw_only=True)
+class PathNormalization:
+    """How request paths are read; one setting for the whole gateway."""
+
+    dot_segments: DotSegments = DotSegments.RESOLVE
+    escaped_slashes: EscapedSlashes = EscapedSlashes.KEEP
+    merge_slashes: bool = True
+
+
 @dataclass(frozen=True, kw_only=True)
 class IdentitySource:
     """Where a client identity comes from: the peer address, a named header, query or cookie,
@@ -93,6 +117,7 @@ class Match:
     path: str
     methods: frozenset[str] | None = None
     host: str | None = None
+    case_sensitive: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +134,7 @@ class Route:
     strip_prefix: bool
     preserve_host: bool
     timeout: UpstreamTimeout
+    allow_path_parameters: bool = False  # `;` parameters in the path; refused with 400 otherwise
 
     @property
     def label(self) -> str:
@@ -142,3 +168,4 @@ class GatewayConfig:
     shutdown_grace: float
     forwarded_headers: ForwardedHeaders = ForwardedHeaders.REPLACE
     jwt: JwtConfig | None = None  # how `jwt:CLAIM` identity sources verify their token
+    path_normalization: PathNormalization = PathNormalization()

@@ -25,10 +25,10 @@ from gateway.limiter.store import LimitCheck
 from gateway.metrics import STATUS_CLASSES, Metrics, method_label
 from gateway.proxy.client_identity import ClientIdentity, IdentityRejected
 from gateway.proxy.headers import GATEWAY_WRITTEN, add_forwarded, end_to_end
+from gateway.proxy.paths import NormalPath, PathRejected, normalize_path
 from gateway.proxy.problem import problem, problem_response
 from gateway.proxy.ratelimit_headers import ratelimit_headers, retry_after_seconds
 from gateway.proxy.route_plan import Plans, RoutePlan, compile_plans
-from gateway.proxy.routing import normalize_path
 from gateway.proxy.websocket import is_websocket_upgrade, proxy_websocket
 
 log = logging.getLogger(__name__)
@@ -78,24 +78,31 @@ class ProxyHandler:
                 response = await _expectation(request)
                 if response is not None:
                     return response
-            path = request.path
-            if request.method == "CONNECT" or not path.startswith("/"):
+            raw_path = _raw_path(request)
+            if raw_path is None:
                 # Authority-form (CONNECT host:port) and asterisk-form (OPTIONS *) targets
                 # name no resource of ours: this is a reverse proxy, never a tunnel.
                 response = problem(400, "Bad Request", "Only origin-form request targets such as /path are served.")
                 return response
-            normalized = normalize_path(path)
-            plan = plans.router.find(request.method, _request_host(request), normalized)
+            try:
+                path = normalize_path(raw_path, plans.path_rule)
+            except PathRejected as exc:
+                response = problem(400, "Bad Request", str(exc))
+                return response
+            plan = plans.router.find(request.method, _request_host(request), path.match)
             if plan is None:
                 response = problem(404, "Not Found", "No route matches this request.")
                 return response
             requests = plan.requests
+            if path.parameters and not plan.allow_path_parameters:
+                response = problem(400, "Bad Request", "This route does not accept ';' parameters in the path.")
+                return response
             if self._in_flight > plans.max_in_flight:
                 # Overload, answered at once: neither the limiter nor the upstream hears of it.
                 self._metrics.shed.inc()
                 response = problem_response(503, plans.shed, headers=_RETRY_AFTER_ONE)
                 return response
-            response = await self._limited(request, plan, plans, normalized)
+            response = await self._limited(request, plan, plans, path)
             return response
         finally:
             self._in_flight -= 1
@@ -103,7 +110,7 @@ class ProxyHandler:
             status = response.status if response is not None else 500
             requests(method_label(request.method), STATUS_CLASSES[status // 100]).inc()
 
-    async def _limited(self, request: web.BaseRequest, plan: RoutePlan, plans: Plans, normalized: str) -> web.StreamResponse:
+    async def _limited(self, request: web.BaseRequest, plan: RoutePlan, plans: Plans, path: NormalPath) -> web.StreamResponse:
         try:
             decision = await self._decide(request, plan, plans.identity)
         except IdentityRejected as exc:
@@ -112,7 +119,7 @@ class ProxyHandler:
         limit_headers = ratelimit_headers(decision.statuses, plan.policies)
         if not decision.allowed:
             return _rejection(plan, decision, limit_headers)
-        url = _upstream_url(request, plan, normalized)
+        url = _upstream_url(request, plan, path)
         headers = _forward_headers(request, plan, plans)
         if is_websocket_upgrade(request):
             return await proxy_websocket(request, self._sessions[plan.upstream], url, headers, limit_headers)
@@ -224,13 +231,24 @@ def _rejection(plan: RoutePlan, decision: Decision, limit_headers: dict[str, str
     )
 
 
-def _upstream_url(request: web.BaseRequest, plan: RoutePlan, normalized: str) -> URL:
-    target = request.rel_url
-    raw_path = target.raw_path
-    if plan.strip is not None:
-        raw_path = plan.strip.rest(raw_path, request.path, normalized)
-    query = target.raw_query_string
-    return URL(plan.upstream + raw_path + ("?" + query if query else ""), encoded=True)
+def _raw_path(request: web.BaseRequest) -> str | None:
+    """The path of the request target exactly as received, or None for a target that is not a path."""
+    target = request.raw_path  # the whole request target, as the parser read it
+    if target[:1] == "/":
+        return target.partition("?")[0]  # a "#" stays in, and is refused as no path character
+    if request.method == "CONNECT":
+        return None
+    # Absolute-form: yarl has split the path off as received; an empty one means "/" (RFC 9112 §3.2.2).
+    raw_path = request.rel_url.raw_path or "/"
+    return raw_path if raw_path[:1] == "/" else None
+
+
+def _upstream_url(request: web.BaseRequest, plan: RoutePlan, path: NormalPath) -> URL:
+    """The route's upstream, the path as it was matched (less the prefix with strip_prefix),
+    and the query as received."""
+    forward = path.forward if plan.strip is None else plan.strip.rest(path.forward)
+    query = request.rel_url.raw_query_string
+    return URL(plan.upstream + forward + ("?" + query if query else ""), encoded=True)
 
 
 def _forward_headers(request: web.BaseRequest, plan: RoutePlan, plans: Plans) -> CIMultiDict[str]:

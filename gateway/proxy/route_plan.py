@@ -15,9 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import aiohttp
-from yarl import URL
 
-from gateway.config.model import ForwardedHeaders, GatewayConfig, Limit, Match, Route
+from gateway.config.model import ForwardedHeaders, GatewayConfig, Limit, Match, PathNormalization, Route
 from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics
 from gateway.proxy.client_identity import ClientIdentity, IdentityKey, RouteIdentity
 from gateway.proxy.problem import ProblemTemplate, problem_body
@@ -34,25 +33,20 @@ class LimitPlan:
 
 @dataclass(frozen=True, slots=True)
 class PrefixStrip:
-    """A route's `strip_prefix`: its path prefix, decoded and as it appears in a raw path."""
+    """A route's `strip_prefix`: how many segments its path prefix has."""
 
-    prefix: str
-    raw: str
-    raw_under: str  # `raw` + "/"
+    segments: int
 
     @classmethod
     def of(cls, prefix: str) -> PrefixStrip:
-        raw = URL.build(path=prefix).raw_path
-        return cls(prefix=prefix, raw=raw, raw_under=raw + "/")
+        return cls(segments=prefix.count("/"))
 
-    def rest(self, raw_path: str, path: str, normalized: str) -> str:
-        """The raw path after the prefix. When the decoded `path` is already `normalized`,
-        the rest keeps the client's own encoding, so an encoded slash (`group%2Fproject`)
-        stays inside its segment; otherwise the rest is rebuilt from the normalized path."""
-        if normalized == path and (raw_path == self.raw or raw_path.startswith(self.raw_under)):
-            return raw_path[len(self.raw) :] or "/"
-        rest = normalized[len(self.prefix) :]
-        return URL.build(path=rest if rest.startswith("/") else "/" + rest).raw_path
+    def rest(self, forward: str) -> str:
+        """`forward` (a NormalPath's) without the prefix. Its segments are those of the
+        `match` the prefix matched, one for one, so the prefix is its first `segments`
+        segments, parameters and all; an encoded slash never counts as a separator."""
+        parts = forward.split("/", self.segments + 1)
+        return "/" + parts[-1] if len(parts) > self.segments + 1 else "/"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +55,7 @@ class RoutePlan:
     upstream: str  # base URL, without a trailing slash
     strip: PrefixStrip | None
     preserve_host: bool
+    allow_path_parameters: bool
     timeout: aiohttp.ClientTimeout
     limits: tuple[LimitPlan, ...]
     identity: RouteIdentity  # what the limits read, and the headers Connection may not name
@@ -96,6 +91,7 @@ class Plans:
     """Everything the request path reads, compiled from one config."""
 
     router: Router[RoutePlan]
+    path_rule: PathNormalization
     identity: ClientIdentity
     replace_forwarded: bool  # `forwarded_headers: replace`: an untrusted peer's forwarding headers are dropped
     unmatched: Children  # gateway_requests_total for requests no route takes, by method and status class
@@ -108,6 +104,7 @@ def compile_plans(config: GatewayConfig, metrics: Metrics) -> Plans:
     routes = tuple(_route_plan(route, metrics) for route in config.routes)
     return Plans(
         router=Router(routes),
+        path_rule=config.path_normalization,
         identity=ClientIdentity(config.trusted_proxies, config.jwt),
         replace_forwarded=config.forwarded_headers is ForwardedHeaders.REPLACE,
         unmatched=Children(metrics.requests, ("method", "status_class"), route=UNMATCHED_ROUTE),
@@ -127,6 +124,7 @@ def _route_plan(route: Route, metrics: Metrics) -> RoutePlan:
         upstream=route.upstream,
         strip=PrefixStrip.of(route.match.path) if route.strip_prefix and route.match.path != "/" else None,
         preserve_host=route.preserve_host,
+        allow_path_parameters=route.allow_path_parameters,
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout.connect, sock_read=timeout.read),
         limits=tuple(
             LimitPlan(
