@@ -85,8 +85,9 @@ rates = st.one_of(
     st.floats(MIN_RATE, MAX_RATE),
 )
 # The gateway's bursts are whole numbers; the script takes any, so fractions too.
+# 1e10 makes a bucket that refills in more than 1e14 s: its TTL is capped.
 capacities = st.one_of(
-    st.sampled_from([1.0, 2.0, 20.0, MAX_CAPACITY]),
+    st.sampled_from([1.0, 2.0, 20.0, MAX_CAPACITY, 1e10]),
     st.integers(1, int(MAX_CAPACITY)).map(float),
     st.floats(0.001, MAX_CAPACITY),
 )
