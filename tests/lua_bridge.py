@@ -10,17 +10,19 @@ script can tell the difference:
 - The script body runs as a function with `KEYS` and `ARGV` as globals, as
   Redis wraps it (`f_<sha>`).
 - A number passed to `redis.call` becomes the string `%.17g` of it, not Lua's
-  `tostring` (`%.14g`): Redis formats it itself so no precision is lost (7.2 and
-  later print the shortest string that reads back as the same double; either
-  way it reads back exactly). Other argument types are an error.
+  `tostring` (`%.14g`): Redis formats it itself so no precision is lost (later
+  versions print an integral number as an integer and others as the shortest
+  string that reads back as the same double; every version reads back exactly).
+  Other argument types are an error.
 - `TIME` returns two strings, {seconds, microseconds}, from the test's clock.
 - `HMGET` returns `false` for a missing field or key (a nil bulk reply).
 - `PEXPIRE` takes an integer only: a string Redis's `string2ll` would refuse
   (`1e+17`, `12.5`) is the error Redis gives. A key expires when the clock in
   whole milliseconds passes its deadline (`now > when`), as Redis decides.
 - The reply goes through Redis's Lua-to-RESP rules: a number is truncated to an
-  integer, a table becomes an array that ends at its first nil, `false` is a
-  nil reply and `true` is 1.
+  integer (one outside 64 bits, or NaN, comes back as -2^63, as x86-64 converts
+  it), a table becomes an array that ends at its first nil, `false` is a nil
+  reply and `true` is 1.
 """
 
 from __future__ import annotations
@@ -139,6 +141,8 @@ def to_resp(value: Any) -> Any:
     if value is True:
         return 1
     if isinstance(value, (int, float)):
+        if not -_LLONG <= value < _LLONG:  # also NaN
+            return -_LLONG
         return int(value)  # (long long) in C: towards zero
     if isinstance(value, (str, bytes)):
         return value.decode() if isinstance(value, bytes) else value
