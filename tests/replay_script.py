@@ -17,8 +17,8 @@ never drift from what production runs, and production never sees it (only
 
 The script runs atomically, so the sequence is the order in which Redis made the
 decisions, whichever gateway sent them. `:seq` and `:log` share the bucket's hash
-tag. The replay starts from an empty bucket and runs the model in milliseconds on
-the logged TIME, exactly as tests/test_lua_model.py explains.
+tag. The replay starts from an empty bucket and compares each call with the model
+as tests/model_check.py explains: in milliseconds, on the logged TIME.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import json
 from dataclasses import dataclass
 
 from gateway.limiter import bucket
+from tests.model_check import agree
 
 LOG_SUFFIX = ":log"
 SEQ_SUFFIX = ":seq"
-TOLERANCE = 1e-9  # × max(1, capacity); the reasons are in tests/test_lua_model.py
 
 _WRAPPER = """-- Test-only build of lua/token_bucket.lua (tests/replay_script.py): same reply, and a log.
 local shipped_redis = redis
@@ -97,27 +97,24 @@ class Decision:
 @dataclass(frozen=True)
 class Replay:
     decisions: int
-    allowed: int  # by the model
+    allowed: int  # by the model; it differs from the script only by rounding ties
+    ties: int
     mismatches: list[str]
 
 
 def replay(log: list[Decision]) -> Replay:
-    """Run the log, in sequence order, through the model; list every disagreement."""
+    """Run the log, in sequence order, through the model (tests/model_check.py); list every disagreement."""
     ordered = sorted(log, key=lambda d: d.seq)
     mismatches = []
     if [d.seq for d in ordered] != list(range(1, len(ordered) + 1)):
         mismatches.append("the sequence has gaps or repeats")
     state: bucket.BucketState | None = None
-    allowed = 0
+    allowed = ties = 0
     for d in ordered:
         spec = bucket.BucketSpec(capacity=d.capacity, rate=d.rate / 1000, cost=d.cost)
-        outcome = bucket.check([state], [spec], d.now_ms)
-        allowed += outcome.allowed
-        remaining = outcome.remaining[0]
-        if outcome.allowed != d.allowed:
-            mismatches.append(f"seq {d.seq}: script allowed={d.allowed}, model allowed={outcome.allowed} ({outcome})")
-        elif abs(float(d.remaining) - remaining) > TOLERANCE * max(1.0, d.capacity):
-            mismatches.append(f"seq {d.seq}: script remaining {d.remaining}, model {remaining!r}")
-        if outcome.allowed and d.cost:
-            state = outcome.states[0]
-    return Replay(decisions=len(ordered), allowed=allowed, mismatches=mismatches)
+        agreement = agree([state], [spec], d.now_ms, d.allowed, [float(d.remaining)])
+        mismatches += [f"seq {d.seq}: {problem}" for problem in agreement.problems]
+        allowed += agreement.model.allowed
+        ties += agreement.ties
+        state = agreement.states[0]
+    return Replay(decisions=len(ordered), allowed=allowed, ties=ties, mismatches=mismatches)

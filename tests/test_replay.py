@@ -13,9 +13,12 @@ What must hold:
 - the log's sequence is 1..N with no gap, and N is the number of script calls
   Redis counted (`INFO commandstats`): the log is every decision;
 - replayed in sequence order through gateway/limiter/bucket.py, every allow or
-  deny is the model's, and the remaining tokens agree to 1e-9 × capacity;
+  deny is the model's, and the remaining tokens agree to 1e-9 × capacity, as
+  tests/model_check.py compares them (a rounding tie, a balance within 4 ulps
+  of the cost, is the one allowed split; it is counted, and none has been seen);
 - the 200s the clients received across the 8 gateways, the allows the gateways
-  counted, the log's allows and the model's allows are one number. The
+  counted and the log's allows are one number, and the model's allows are that
+  number too (give or take the rounding ties). The
   gateways' denial caches answer many 429s without calling Redis; those are
   never allows, so the allowed count covers every request.
 
@@ -105,15 +108,18 @@ async def test_eight_gateways_decide_exactly_as_the_model_replaying_redis_order(
     logged_allows = sum(d.allowed for d in log)
     print(
         f"{sum(statuses.values())} requests {dict(statuses)}; {result.decisions} script calls replayed, "
-        f"{result.allowed} allowed, {result.decisions - result.allowed} denied by Redis; "
+        f"{logged_allows} allowed, {result.decisions - logged_allows} denied by Redis, "
+        f"{result.allowed} allowed by the model, {result.ties} rounding ties; "
         f"over {(log[-1].now_ms - log[0].now_ms) / 1000:.2f} s of Redis time"
     )
 
     assert result.mismatches == []
     assert result.decisions == len(log) == script_calls
     assert set(statuses) <= {200, 429}, statuses
-    assert statuses[200] == logged_allows == result.allowed == sum(c["replay", "allow"] for c in counts)
+    assert statuses[200] == logged_allows == sum(c["replay", "allow"] for c in counts)
+    # The model's count, and every decision, is the script's but for rounding ties (model_check.py).
+    assert abs(result.allowed - logged_allows) <= result.ties
     assert sum(c["replay", "fail_closed"] + c["replay", "fail_open"] for c in counts) == 0
     # Both kinds of decision were made by Redis, and the flood outran the limit.
-    assert 0 < result.allowed < result.decisions
+    assert 0 < logged_allows < result.decisions
     assert statuses[429] > statuses[200]

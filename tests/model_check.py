@@ -1,0 +1,104 @@
+"""One script call held against the reference model (gateway/limiter/bucket.py):
+the comparison the Lua state machine (test_lua_model.py) and the replay of real
+decisions (test_replay.py) both make.
+
+The model runs in the script's units, milliseconds, on the very double the
+script computes from TIME, with its rate per millisecond. The two still round
+differently: the script refills `elapsed / 1000 * rate`, the model
+`elapsed * (rate / 1000)`. So they compare as follows.
+
+- **Balances** (tokens found, and tokens remaining) agree to within
+  `TOLERANCE × max(1, capacity)`: 1e-9 absolute for a capacity up to 1, 1e-9
+  relative to the capacity above it. Tokens never leave [0, capacity], each step
+  rounds by an ulp or two of the capacity (2.2e-16 × capacity), and the bound
+  leaves millions of ulps for a long run. A lost refill, a double charge or a
+  unit slip is at least a millionth of a token at the rates covered.
+- **Decisions** are identical, and each carrier decides by its own balance
+  (allowed exactly when every bucket holds its cost). The one exception is a
+  *rounding tie*: the cost lies between the two balances, which are within
+  `TIE` (4 ulps) of each other. The real-number answer is then within 4e-16 of
+  a token of the cost either way. An example: 1e9 ms at 1e-6 tokens a second
+  refills 1e6 × 1e-6 = 1.0 in the script, and 1e9 × 9.999999999999999e-10 =
+  0.9999999999999999 in the model. Every tie is counted and reported. After a
+  tie the model follows the script's decision, so the two carry the same
+  charges forward.
+- **The denial cache's premise**, `remaining < cost` read from the reply,
+  is the model's answer too, again except within a rounding tie.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from gateway.limiter import bucket
+
+TOLERANCE = 1e-9
+TIE = 4 * sys.float_info.epsilon
+
+
+def within(a: float, b: float, bound: float, *scale: float) -> bool:
+    return abs(a - b) <= bound * max(1.0, *scale)
+
+
+@dataclass
+class Agreement:
+    """How one script call compared with the model."""
+
+    model: bucket.Outcome
+    problems: list[str] = field(default_factory=list)
+    ties: int = 0  # decisions, or remaining-below-cost answers, split by rounding
+    # The model's buckets after the call, charged only if the script allowed with a cost above 0,
+    # as the script (and the in-process store) write them.
+    states: list[bucket.BucketState | None] = field(default_factory=list)
+
+
+def agree(
+    states: Sequence[bucket.BucketState | None],
+    specs: Sequence[bucket.BucketSpec],
+    now: float,
+    script_allowed: bool,
+    script_remaining: Sequence[float],
+) -> Agreement:
+    outcome = bucket.check(states, specs, now)
+    result = Agreement(model=outcome)
+    found = [bucket.refill(state, spec, now) for state, spec in zip(states, specs)]
+    script_found = [r + spec.cost if script_allowed else r for r, spec in zip(script_remaining, specs)]
+
+    # Each carrier decides by its own balances.
+    if script_allowed:
+        consistent = all(r >= 0 for r in script_remaining)
+    else:
+        consistent = any(r < spec.cost for r, spec in zip(script_remaining, specs))
+    if not consistent:
+        result.problems.append(f"the script decided allowed={script_allowed} against its own balances {script_remaining}")
+    for mine, theirs, spec in zip(found, script_found, specs):
+        if not within(theirs, mine.tokens, TOLERANCE, spec.capacity):
+            result.problems.append(f"tokens found: script {theirs!r}, model {mine.tokens!r} ({spec})")
+    if script_allowed != outcome.allowed:
+        split = [
+            (theirs, mine.tokens, spec)
+            for mine, theirs, spec in zip(found, script_found, specs)
+            if (theirs >= spec.cost) != (mine.tokens >= spec.cost)
+        ]
+        if split and all(within(t, m, TIE, s.capacity, s.cost) for t, m, s in split):
+            result.ties += 1
+        else:
+            result.problems.append(f"script allowed={script_allowed}, model {outcome} (balances {split})")
+
+    model_remaining = [s.tokens - spec.cost if script_allowed else s.tokens for s, spec in zip(found, specs)]
+    for theirs, mine, spec in zip(script_remaining, model_remaining, specs):
+        if not within(theirs, mine, TOLERANCE, spec.capacity):
+            result.problems.append(f"remaining: script {theirs!r}, model {mine!r} ({spec})")
+        elif (theirs < spec.cost) != (mine < spec.cost):
+            if within(theirs, mine, TIE, spec.capacity, spec.cost):
+                result.ties += 1
+            else:
+                result.problems.append(f"remaining < cost: script {theirs!r}, model {mine!r} ({spec})")
+
+    result.states = [
+        bucket.BucketState(tokens=s.tokens - spec.cost, stamp=s.stamp) if script_allowed and spec.cost else state
+        for state, s, spec in zip(states, found, specs)
+    ]
+    return result
