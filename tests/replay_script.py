@@ -99,6 +99,8 @@ class Replay:
     decisions: int
     allowed: int  # by the model; it differs from the script only by rounding ties
     ties: int
+    script_over_model: int  # ties the script allowed and the model denied
+    widest_tie: float
     mismatches: list[str]
 
 
@@ -109,12 +111,18 @@ def replay(log: list[Decision]) -> Replay:
     if [d.seq for d in ordered] != list(range(1, len(ordered) + 1)):
         mismatches.append("the sequence has gaps or repeats")
     state: bucket.BucketState | None = None
-    allowed = ties = 0
+    allowed = ties = script_over_model = 0
+    widest_tie = 0.0
     for d in ordered:
         spec = bucket.BucketSpec(capacity=d.capacity, rate=d.rate / 1000, cost=d.cost)
         agreement = agree([state], [spec], d.now_ms, d.allowed, [float(d.remaining)])
         mismatches += [f"seq {d.seq}: {problem}" for problem in agreement.problems]
         allowed += agreement.model.allowed
         ties += agreement.ties
+        script_over_model += agreement.script_over_model
+        widest_tie = max(widest_tie, agreement.widest_tie)
         state = agreement.states[0]
-    return Replay(decisions=len(ordered), allowed=allowed, ties=ties, mismatches=mismatches)
+    return Replay(
+        decisions=len(ordered), allowed=allowed, ties=ties, script_over_model=script_over_model,
+        widest_tie=widest_tie, mismatches=mismatches,
+    )
