@@ -15,8 +15,8 @@ What must hold:
 - replayed in sequence order through gateway/limiter/bucket.py, every allow or
   deny is the model's, and the remaining tokens agree to 1e-9 × capacity, as
   tests/model_check.py compares them (a rounding tie, where the cost lies
-  between two balances that agree, is the one allowed split; about one
-  decision in 80,000 lands on one, and each is counted and printed);
+  between two balances that agree, is the one allowed split; a flood lands on
+  one every few thousand decisions, and each is counted and printed);
 - the 200s the clients received across the 8 gateways, the allows the gateways
   counted and the log's allows are one number, and the model's allows are that
   number too (give or take the rounding ties). The
