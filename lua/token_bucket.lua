@@ -21,6 +21,12 @@ local function exact(x)
   return text
 end
 
+-- The longest TTL a bucket gets, about 317,000 years. PEXPIRE takes only an
+-- integer, and Redis 7.0 passes a Lua number as '%.17g', which from 1e17 on is
+-- '1e+17': an error, raised after HSET has charged the bucket. So a bucket that
+-- takes longer than this to refill expires after this long.
+local MAX_TTL_MS = 1e16
+
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000 + tonumber(time[2]) / 1000
 
@@ -64,7 +70,7 @@ for i = 1, count do
     redis.call('HSET', KEYS[i], 'tokens', tokens[i], 'ts', stamps[i])
     -- Long enough to refill completely, so a partly full bucket never
     -- expires early and comes back full.
-    local ttl = math.ceil((stamps[i] - now) + capacities[i] / rates[i] * 1000) + 1000
+    local ttl = math.min(math.ceil((stamps[i] - now) + capacities[i] / rates[i] * 1000) + 1000, MAX_TTL_MS)
     redis.call('PEXPIRE', KEYS[i], ttl)
   end
   remaining[i] = exact(tokens[i])

@@ -271,10 +271,19 @@ _LISTENING_RE = re.compile(r"listening on http://(\S+):(\d+) \(admin http://(\S+
 
 class GatewayProcess:
     """`python -m gateway run -c FILE`, started as a user starts it. Listens on ports
-    chosen by the kernel (port 0) and learns them from the startup line."""
+    chosen by the kernel (port 0) and learns them from the startup line.
+
+    `module` runs another entry point with the same command line: a test launcher
+    such as `tests.instrumented_gateway`."""
 
     def __init__(
-        self, config_text: str, *, args: tuple[str, ...] = (), env: dict[str, str] | None = None, command: str = "run"
+        self,
+        config_text: str,
+        *,
+        args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        command: str = "run",
+        module: str = "gateway",
     ) -> None:
         handle = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="gateway-test-", delete=False)
         with handle:
@@ -282,6 +291,7 @@ class GatewayProcess:
         self.config_path = Path(handle.name)
         self._args = args
         self._command = command  # "run", or "demo" for the quick start
+        self._module = module
         self._env = {**os.environ, **(env or {})}
         self.process: subprocess.Popen | None = None
         self.stderr_lines: list[str] = []
@@ -292,7 +302,7 @@ class GatewayProcess:
 
     def start(self) -> GatewayProcess:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gateway", self._command, "-c", str(self.config_path), *self._args],
+            [sys.executable, "-m", self._module, self._command, "-c", str(self.config_path), *self._args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self._env,
         )
         self._readers = [

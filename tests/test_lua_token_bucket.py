@@ -252,6 +252,15 @@ def test_the_ttl_covers_a_full_refill_so_a_partly_full_bucket_never_expires_earl
     assert full_refill_ms - SLACK_MS <= client.pttl(key) <= full_refill_ms
 
 
+def test_a_bucket_that_refills_in_more_than_1e14_seconds_is_charged_and_given_the_longest_ttl(script, client):
+    """A burst of 2e9 at 1/day refills in 5.5 million years: its TTL in ms reached
+    1e17, which Redis 7.0 passes to PEXPIRE as '1.728e+17' and PEXPIRE refuses,
+    so every charge was a script error (after HSET had charged the bucket)."""
+    reply = script(("rl:ages", 2e9, 1 / 86400, 1))
+    assert reply.allowed == 1 and reply.remaining == ["1999999999"]
+    assert 1e16 - SLACK_MS <= client.pttl("rl:ages") <= 1e16
+
+
 def test_an_idle_bucket_key_vanishes_after_its_refill_time(script, client):
     reply = script(("rl:idle", 2, 20, 1))
     assert reply.allowed == 1
