@@ -7,15 +7,16 @@ at the default store.timeout of 10 ms, with three routes: /open behind a limit
 that fails open, /closed behind one that fails closed, and /free with no limit.
 Thirty clients each send one request every 100 ms (300 a second, a third to
 each route, a new API key every time so that each limited request is a store
-call) for 1 s before the fault, the 1.5 s it lasts, and 1.5 s after it ends.
-Then, for every fault:
+call) for 1 s before the fault, the 1.5 s it lasts (a blackhole: 3.5 s), and
+1.5 s after it ends. Then, for every fault:
 
 - fail-open: no 5xx on /open (or /free), and the p99 added latency is at most
   store.timeout + 5 ms;
 - fail-closed: its 503s come within store.timeout + 5 ms (p99, same measure);
 - recovery: within 1 s of the fault ending the first answer decided by Redis
   (a RateLimit header; the failure policies send none) arrives, and from then
-  on every limited answer is decided by Redis;
+  on every limited answer is decided by Redis, but for isolated timeouts no
+  more frequent than a healthy Redis shows on this machine (`NOISE`);
 - no retry storm: script calls (EVALSHA and EVAL, counted by the proxy as they
   arrive) are at most 1.1 per limited request;
 - no leaks: the gateway's RSS and open file descriptors, idle after the run,
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
+from gateway.limiter.redis_connection import STALE_REPLY_SECONDS
 from tests.chaos_proxy import ChaosProxy
 from tests.processes import GatewayProcess, RedisServer, eventually
 from tests.scrape import scrape, settled_decisions
@@ -51,16 +53,19 @@ STORE_TIMEOUT = 0.010  # the default store.timeout; the config below leaves it u
 LATENCY_SLACK = 0.005
 RECOVERY_BOUND = 1.0
 STORE_CALLS_PER_REQUEST = 1.1
-# A CPython process's RSS moves with its allocator's arenas: across a run of the
-# same load it wandered by up to ~1 MB in these tests; a leak of one object per
-# request (1,000 requests and more during a fault) would pass that.
-RSS_TOLERANCE = 2 * 1024 * 1024
+# A CPython process's RSS moves with its allocator's arenas; across these runs it
+# moved by at most ~330 KiB. A leak of 4 KiB per failed check (over 300 fail in
+# each fault) would exceed this.
+RSS_TOLERANCE = 1024 * 1024
 FD_TOLERANCE = 2
 
 CLIENTS = 30
 INTERVAL = 0.1  # per client
 ROUTES = ("/free", "/open", "/closed")
-BEFORE, FAULT, AFTER = 1.0, 1.5, 1.5
+BEFORE, FAULT, AFTER = 1.0, 1.5, 1.5  # seconds of load before, during and after a fault
+# Isolated store timeouts a healthy Redis shows on this shared machine, where other
+# real-time processes may hold both cores for a moment: at most 1 in 200 checks.
+NOISE = 0.005
 
 CONFIG = """
 listen: 127.0.0.1:0
@@ -196,7 +201,9 @@ class Fault:
     name: str
     begin: Callable[[Rig], Awaitable[object]]
     end: Callable[[Rig], Awaitable[object]]  # returns once the fault is over (a restarted Redis answers)
-    fails_checks: bool = True  # whether checks fail while it lasts
+    fails_checks: bool | None = True  # whether checks fail while it lasts; None: some may
+    seconds: float = FAULT
+    loses_script: bool = False  # Redis forgets the script: the NOSCRIPT path (EVAL) must run
 
 
 def proxy_mode(mode: str, delay_ms: float = 0.0) -> Callable[[Rig], Awaitable[object]]:
@@ -206,11 +213,17 @@ def proxy_mode(mode: str, delay_ms: float = 0.0) -> Callable[[Rig], Awaitable[ob
 FAULTS = [
     Fault("hang", blocking(lambda rig: rig.redis.pause()), blocking(lambda rig: rig.redis.resume())),
     # stop() is kill -9; start() brings up a new redis-server on the same port, with no data.
-    Fault("kill-9-restart", blocking(lambda rig: rig.redis.stop()), blocking(lambda rig: rig.redis.start())),
-    Fault("script-flush", start_flushing, stop_flushing, fails_checks=False),
+    Fault(
+        "kill-9-restart", blocking(lambda rig: rig.redis.stop()), blocking(lambda rig: rig.redis.start()), loses_script=True
+    ),
+    Fault("script-flush", start_flushing, stop_flushing, fails_checks=False, loses_script=True),
     Fault("refused", proxy_mode("refuse"), proxy_mode("pass")),
-    Fault("blackhole", proxy_mode("blackhole"), proxy_mode("pass")),
-    Fault("latency-10ms", proxy_mode("delay", 10), proxy_mode("pass")),
+    # Longer than STALE_REPLY_SECONDS (3 s): the gateway gives up on its connection
+    # and reconnects into the blackhole, as it would to a host that vanished.
+    Fault("blackhole", proxy_mode("blackhole"), proxy_mode("pass"), seconds=STALE_REPLY_SECONDS + 0.5),
+    # A reply 10 ms late mostly lands in the poll that follows the deadline and is
+    # an answer; some are not.
+    Fault("latency-10ms", proxy_mode("delay", 10), proxy_mode("pass"), fails_checks=None),
     Fault("reset-mid-reply", proxy_mode("reset"), proxy_mode("pass")),
     Fault(
         "out-of-memory",
@@ -221,9 +234,25 @@ FAULTS = [
 ]
 
 
-def script_calls(proxy: ChaosProxy) -> int:
+def script_calls(proxy: ChaosProxy) -> collections.Counter[str]:
     commands = proxy.commands()
-    return commands["EVALSHA"] + commands["EVAL"]
+    return collections.Counter(EVALSHA=commands["EVALSHA"], EVAL=commands["EVAL"])
+
+
+def undecided(answers: list[Answer]) -> int:
+    return sum(not a.decided for a in answers)
+
+
+def steady_from(answers: list[Answer]) -> float:
+    """When, among `answers`, Redis's decisions became steady: the earliest completion
+    of a decided answer after which at most NOISE of the answers are not decided."""
+    ordered = sorted(answers, key=lambda a: a.done)
+    steady, missing = math.inf, 0
+    for i in range(len(ordered) - 1, -1, -1):  # from the last answer back
+        missing += not ordered[i].decided
+        if ordered[i].decided and missing <= NOISE * (len(ordered) - i):
+            steady = ordered[i].done
+    return steady
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=[f.name for f in FAULTS])
@@ -243,7 +272,7 @@ async def test_fault(fault: Fault, upstream):
         await asyncio.sleep(BEFORE)  # the load's pace, not a wait for anything
         began = time.monotonic()
         await fault.begin(rig)
-        await asyncio.sleep(FAULT)
+        await asyncio.sleep(fault.seconds)
         async with aiohttp.ClientSession() as http:
             _, during = await scrape(http, gateway.admin_url)
         await fault.end(rig)
@@ -252,7 +281,8 @@ async def test_fault(fault: Fault, upstream):
         stop.set()
         await load
 
-        calls = await asyncio.to_thread(script_calls, proxy) - calls_before
+        scripts = await asyncio.to_thread(script_calls, proxy) - calls_before
+        calls = scripts.total()
         async with aiohttp.ClientSession() as http:
             counts = await settled_decisions(http, gateway.admin_url)
         rss_after, fds_after = await idle_footprint(gateway)
@@ -264,34 +294,38 @@ async def test_fault(fault: Fault, upstream):
     open_added = p99([a.latency for a in window if a.route == "/open"]) - free_p99
     refusals = [a.latency for a in window if a.route == "/closed" and a.status == 503]
     refusal_added = p99(refusals) - free_p99 if refusals else None
+    before = [a for a in limited if a.sent < began]
     after = [a for a in limited if a.sent >= ended]
     first = min((a.done for a in after if a.decided), default=math.inf) - ended
-    steady = max((a.done for a in after if not a.decided), default=ended) - ended
+    steady = steady_from(after) - ended
     failed = counts["fair", "fail_open"] + counts["strict", "fail_closed"]
     print(
-        f"\nFIGURES {fault.name}: requests {len(answers)} ({len(limited)} limited); "
+        f"\nFIGURES {fault.name} ({fault.seconds:g} s): {len(answers)} requests, {len(limited)} limited; "
         f"fail_open {counts['fair', 'fail_open']:.0f}, fail_closed {counts['strict', 'fail_closed']:.0f}, "
-        f"breaker at fault end {'/'.join(breaker)}; "
+        f"breaker at fault end: {'/'.join(breaker)}; "
         f"p99 added: fail-open {open_added * 1000:.2f} ms, 503 "
-        + (f"{refusal_added * 1000:.2f} ms ({len(refusals)} answers)" if refusals else "none")
+        + (f"{refusal_added * 1000:.2f} ms ({len(refusals)} of them)" if refusals else "none")
         + f"; recovery: first {first * 1000:.0f} ms, steady {steady * 1000:.0f} ms; "
-        f"script calls/limited request {calls / len(limited):.3f}; "
+        f"script calls/limited request {calls / len(limited):.3f} ({scripts['EVAL']} EVAL); "
         f"RSS {(rss_after - rss_before) / 1024:+.0f} KiB, FDs {fds_after - fds_before:+d}"
     )
 
     statuses = collections.Counter((a.route, a.status) for a in answers)
     assert {status for route, status in statuses if route != "/closed"} == {200}, statuses
     assert {status for route, status in statuses if route == "/closed"} <= {200, 503}, statuses
-    assert all(a.decided for a in limited if a.sent < began), "a check failed before the fault"
+    assert undecided(before) <= NOISE * len(before), f"{undecided(before)} checks failed before the fault"
     if fault.fails_checks:
-        assert failed > 0, "the fault never made a check fail"
-    else:
-        assert failed == 0 and not refusals, f"{failed} checks failed"
+        assert failed > NOISE * len(limited), f"the fault made only {failed} checks fail"
+        assert breaker in (["open"], ["half_open"]), f"the breaker was {breaker} at the end of the fault"
+    elif fault.fails_checks is False:
+        assert failed <= NOISE * len(limited), f"{failed} checks failed"
     assert open_added <= STORE_TIMEOUT + LATENCY_SLACK, f"fail-open added {open_added * 1000:.1f} ms at p99"
     if refusals:
         assert refusal_added <= STORE_TIMEOUT + LATENCY_SLACK, f"503s added {refusal_added * 1000:.1f} ms at p99"
     assert first <= RECOVERY_BOUND, f"the first decision by Redis came {first:.2f} s after the fault ended"
     assert steady <= RECOVERY_BOUND, f"decisions by Redis were steady only {steady:.2f} s after the fault ended"
+    if fault.loses_script:
+        assert scripts["EVAL"] > 0, "the script was never sent again: the fault did not bite"
     assert calls <= STORE_CALLS_PER_REQUEST * len(limited), f"{calls} script calls for {len(limited)} requests"
     assert rss_after - rss_before <= RSS_TOLERANCE, f"RSS grew by {(rss_after - rss_before) / 1024:.0f} KiB"
     assert fds_after - fds_before <= FD_TOLERANCE, f"{fds_after - fds_before} more open file descriptors"
