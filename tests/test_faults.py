@@ -100,6 +100,17 @@ class Answer:
         return self.done - self.sent
 
 
+async def request(http: aiohttp.ClientSession, url: str, route: str, keys: itertools.count) -> Answer:
+    sent = time.monotonic()
+    try:
+        async with http.get(url + route, headers={"X-API-Key": f"client-{next(keys)}"}) as response:
+            await response.read()
+            status, decided = response.status, "RateLimit" in response.headers
+    except aiohttp.ClientError:
+        status, decided = 0, False
+    return Answer(route, sent, time.monotonic(), status, decided)
+
+
 async def drive(url: str, answers: list[Answer], stop: asyncio.Event, keys: itertools.count) -> None:
     """CLIENTS clients, each sending one request every INTERVAL, staggered, cycling the routes."""
     async with aiohttp.ClientSession() as http:
@@ -111,15 +122,7 @@ async def drive(url: str, answers: list[Answer], stop: asyncio.Event, keys: iter
                 if stop.is_set():
                     return
                 due += INTERVAL
-                route = ROUTES[n % len(ROUTES)]
-                sent = time.monotonic()
-                try:
-                    async with http.get(url + route, headers={"X-API-Key": f"client-{next(keys)}"}) as response:
-                        await response.read()
-                        status, decided = response.status, "RateLimit" in response.headers
-                except aiohttp.ClientError:
-                    status, decided = 0, False
-                answers.append(Answer(route, sent, time.monotonic(), status, decided))
+                answers.append(await request(http, url, ROUTES[n % len(ROUTES)], keys))
 
         await asyncio.gather(*(client(i) for i in range(CLIENTS)))
 
@@ -129,7 +132,8 @@ async def warm_up(url: str, keys: itertools.count) -> None:
     size now, not during the fault), then the steady load for a while."""
     async with aiohttp.ClientSession() as http:
         for route in ROUTES * 2:
-            await asyncio.gather(*(http.get(url + route, headers={"X-API-Key": f"client-{next(keys)}"}) for _ in range(CLIENTS)))
+            answers = await asyncio.gather(*(request(http, url, route, keys) for _ in range(CLIENTS)))
+            assert {a.status for a in answers} == {200}, answers
     stop = asyncio.Event()
     load = asyncio.ensure_future(drive(url, [], stop, keys))
     await asyncio.sleep(BEFORE)
@@ -143,7 +147,12 @@ def open_fds(pid: int) -> int:
 
 def client_connections(pid: int, port: int) -> int:
     """Established TCP connections of `pid` on local `port` (its public listener)."""
-    inodes = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            inodes.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:
+            pass  # closed since the listing
     count = 0
     with open(f"/proc/{pid}/net/tcp") as table:
         for row in itertools.islice(table, 1, None):
