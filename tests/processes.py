@@ -63,9 +63,11 @@ class RedisServer:
     PING in 10-30 ms: a genuine store timeout, but one a real deployment does
     not have. Load tests that count fail_open at the 10 ms default use it."""
 
-    def __init__(self, *extra_args: str, dedicated: bool = False) -> None:
+    def __init__(self, *extra_args: str, dedicated: bool = False, password: str | None = None) -> None:
+        """`password`: the one `--requirepass` in `extra_args` sets, for this helper's own clients."""
         self.port = free_port()
         self._extra = extra_args
+        self._password = password
         self._dedicated = dedicated
         self._dir = tempfile.mkdtemp(prefix="gateway-test-redis-")
         self.process: subprocess.Popen | None = None
@@ -75,7 +77,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=5, decode_responses=True)
+        return redis.Redis(port=self.port, password=self._password, socket_timeout=5, decode_responses=True)
 
     def start(self) -> RedisServer:
         self.process = subprocess.Popen(
@@ -93,7 +95,7 @@ class RedisServer:
         if self.process.poll() is not None:
             raise AssertionError(f"redis-server on port {self.port} exited with {self.process.returncode}")
         try:
-            return bool(redis.Redis(port=self.port, socket_timeout=0.2).ping())
+            return bool(redis.Redis(port=self.port, password=self._password, socket_timeout=0.2).ping())
         except redis.RedisError:
             return False
 
@@ -118,6 +120,108 @@ class RedisServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free too."""
+    while True:
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
+class RedisCluster:
+    """A private Redis Cluster of `masters` masters with one replica each, made of
+    redis-server processes and joined by `redis-cli --cluster create`, as operators do."""
+
+    NODE_TIMEOUT_MS = 1000
+
+    def __init__(self, masters: int = 3, *, dedicated: bool = False, password: str | None = None) -> None:
+        self.password = password
+        auth = ("--requirepass", password, "--masterauth", password) if password else ()
+        self.nodes: list[RedisServer] = []
+        for _ in range(masters * 2):
+            node = RedisServer(
+                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(self.NODE_TIMEOUT_MS), *auth, dedicated=dedicated, password=password,
+            )
+            node.port = free_cluster_port()
+            self.nodes.append(node)
+        self._masters = masters
+
+    @property
+    def url(self) -> str:
+        login = f":{self.password}@" if self.password else ""
+        return f"redis+cluster://{login}" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes[:2])
+
+    def client(self) -> redis.RedisCluster:
+        return redis.RedisCluster(
+            host="127.0.0.1", port=self.nodes[0].port, password=self.password, socket_timeout=5, decode_responses=True
+        )
+
+    def node_client(self, port: int) -> redis.Redis:
+        return redis.Redis(port=port, password=self.password, socket_timeout=5, decode_responses=True)
+
+    def __enter__(self) -> RedisCluster:
+        try:
+            for node in self.nodes:
+                node.start()
+            subprocess.run(
+                ["redis-cli", *(("-a", self.password, "--no-auth-warning") if self.password else ()),
+                 "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                 "--cluster-replicas", "1", "--cluster-yes"],
+                check=True, capture_output=True, timeout=60,
+            )
+            wait_until(self.settled, what="the cluster to agree on its slots and sync its replicas")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def settled(self) -> bool:
+        """Every node sees every slot served and every node known, and every replica is in sync."""
+        for node in self.nodes:
+            client = self.node_client(node.port)
+            info = client.cluster("info")
+            if info["cluster_state"] != "ok" or int(info["cluster_slots_ok"]) != 16384:
+                return False
+            if int(info["cluster_known_nodes"]) != len(self.nodes):
+                return False
+            replication = client.info("replication")
+            if replication["role"] == "slave" and replication.get("master_link_status") != "up":
+                return False
+        return True
+
+    def masters(self) -> dict[int, list[tuple[int, int]]]:
+        """Each master's port and the slot ranges it serves, as the cluster says now."""
+        owners: dict[int, list[tuple[int, int]]] = {}
+        alive = next(node for node in self.nodes if node.process is not None and node.process.poll() is None)
+        for first, last, master, *_ in self.node_client(alive.port).execute_command("CLUSTER SLOTS"):
+            owners.setdefault(int(master[1]), []).append((int(first), int(last)))
+        return owners
+
+    def node_id(self, port: int) -> str:
+        return self.node_client(port).execute_command("CLUSTER MYID")
+
+    def replica_of(self, master_port: int) -> int:
+        master_id = self.node_id(master_port)
+        for node in self.nodes:
+            replication = self.node_client(node.port).info("replication")
+            if replication["role"] == "slave" and self.node_client(node.port).execute_command(
+                "CLUSTER MYID"
+            ) != master_id and int(replication["master_port"]) == master_port:
+                return node.port
+        raise AssertionError(f"no replica of {master_port}")
+
+    def __exit__(self, *exc: object) -> None:
+        for node in self.nodes:
+            node.__exit__()
 
 
 class SentinelServer:

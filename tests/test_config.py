@@ -8,6 +8,7 @@ import pytest
 
 from gateway.config import ConfigError, GatewayConfig, load_config, parse_config
 from gateway.config.model import FailurePolicy, IdentitySource
+from gateway.limiter.redis_cluster import parse_cluster_url
 from gateway.limiter.redis_sentinel import parse_sentinel_url
 from tests.examples import ISSUE_EXAMPLE
 
@@ -170,6 +171,13 @@ def test_match_host_methods_strip_prefix_and_timeouts():
     assert route.limits[0].cost == 1
 
 
+def test_a_cluster_url_names_seed_nodes():
+    config = parse("store: {url: 'redis+cluster://gw:p%40ss@n1:7000,[::1],n3:7002'}\n" + ROUTE)
+    seeds = parse_cluster_url(config.store.url)
+    assert seeds.nodes == (("n1", 7000), ("::1", 6379), ("n3", 7002))
+    assert (seeds.username, seeds.password) == ("gw", "p@ss")
+
+
 def test_a_sentinel_url_names_the_sentinels_and_the_master():
     config = parse("store: {url: 'redis+sentinel://gw:p%40ss@s1:26380,[::1],s3:1/mymaster?db=2'}\n" + ROUTE)
     assert config.store is not None
@@ -329,6 +337,12 @@ ERROR_CASES = {
         "routes[0].strip_prefix: expected true or false"),
     "bad rate": ("limits:\n  a: {rate: 100/fortnight}\n" + ROUTE, "limits.a.rate: expected a rate such as 100/minute"),
     "rate as a number": ("limits:\n  a: {rate: 100}\n" + ROUTE, "limits.a.rate: expected a rate"),
+    "cluster url with a bad port": (
+        "store: {url: 'redis+cluster://h1:x,h2'}\n" + ROUTE, "store.url: expected seed nodes as in"),
+    "cluster url with a database": (
+        "store: {url: 'redis+cluster://h1:7000/2'}\n" + ROUTE, "store.url: a Redis Cluster has only database 0"),
+    "cluster url with an option": (
+        "store: {url: 'redis+cluster://h1:7000?db=1'}\n" + ROUTE, "store.url: URL option 'db' is not supported"),
     "sentinel url with a bad port": (
         "store: {url: 'redis+sentinel://h1:x,h2/mymaster'}\n" + ROUTE, "store.url: expected sentinels as in"),
     "sentinel url without a master name": (

@@ -58,6 +58,18 @@ def test_a_denial_covers_its_bucket_and_cost_until_it_ends():
     assert len(cache) == 0
 
 
+def test_with_a_store_that_refunds_a_denial_is_held_at_most_max_hold():
+    """A Redis Cluster may give tokens back, so a denial cannot be trusted for its full length."""
+    slow = limit(rate="1/hour", burst=5)
+    cache = DenialCache(max_hold=0.05)
+    cache.record(LimitCheck(slow, "k", 1), remaining=0.0, sent_at=100.0)
+    assert cache.lookup([LimitCheck(slow, "k", 1)], 100.049) is not None
+    assert cache.lookup([LimitCheck(slow, "k", 1)], 100.05) is None
+    unbounded = DenialCache()
+    unbounded.record(LimitCheck(slow, "k", 1), remaining=0.0, sent_at=100.0)
+    assert unbounded.lookup([LimitCheck(slow, "k", 1)], 3000.0) is not None
+
+
 def test_a_limit_replaced_by_a_reload_never_matches_an_old_denial():
     cache = DenialCache()
     before = limit(rate="1/hour")

@@ -27,7 +27,7 @@ from gateway.config.model import (
     StoreConfig,
     UpstreamTimeout,
 )
-from gateway.config.units import parse_address, parse_duration, parse_rate, split_sentinel_hosts
+from gateway.config.units import REDIS_PORT, SENTINEL_PORT, parse_address, parse_duration, parse_rate, split_hosts
 
 # Envoy's rate-limit filter defaults to 20 ms; 10 ms leaves a same-zone Redis
 # (~0.2 ms round trip) fifty times its usual latency before a request pays for it.
@@ -45,7 +45,7 @@ DEFAULT_SHUTDOWN_GRACE = "20s"
 DEFAULT_MAX_IN_FLIGHT = 1024  # per process; wrk: req/s flat from 100 to 2000 in flight, falling by 4000, so ~0.5 s of queue
 DEFAULT_CONNECT_TIMEOUT = "5s"
 DEFAULT_READ_TIMEOUT = "60s"
-STORE_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel")
+STORE_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
 IDENTITY_KINDS = ("header", "query", "cookie")
 _INTERPOLATION_RE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _LIMIT_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -271,13 +271,22 @@ def _store(doc: Any, r: _Reader) -> StoreConfig:
     elif parts.scheme == "redis+sentinel":
         example = "redis+sentinel://host:26379,host:26380/mymaster"
         try:
-            split_sentinel_hosts(parts.netloc)
+            split_hosts(parts.netloc, default_port=SENTINEL_PORT)
         except ValueError as exc:
             r.fail("store.url", f"expected sentinels as in {example}: {exc}")
         service = parts.path.strip("/")
         if not service or "/" in service:
             r.fail("store.url", f"expected the monitored master's name as the path, as in {example}, got {parts.path!r}")
         allowed_query = {"db"}
+    elif parts.scheme == "redis+cluster":
+        example = "redis+cluster://host:7000,host:7001"
+        try:
+            split_hosts(parts.netloc, default_port=REDIS_PORT)
+        except ValueError as exc:
+            r.fail("store.url", f"expected seed nodes as in {example}: {exc}")
+        if parts.path.strip("/"):
+            r.fail("store.url", f"a Redis Cluster has only database 0; expected no path, as in {example}, got {parts.path!r}")
+        allowed_query = set()
     else:
         if not parts.hostname:
             r.fail("store.url", f"expected a host, as in redis://127.0.0.1:6379/0, got {url!r}")

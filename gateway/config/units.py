@@ -97,20 +97,18 @@ def parse_address(value: object) -> Address:
     return Address(host=host, port=port)
 
 
-# Sentinel's own default port, used when a sentinel in a URL names none.
-DEFAULT_SENTINEL_PORT = 26379
+# The default ports of a Redis node and of a Sentinel, for a host in a URL that names none.
+REDIS_PORT = 6379
+SENTINEL_PORT = 26379
 
 
-def split_sentinel_hosts(netloc: str) -> list[tuple[str, int]]:
-    """`h1:26379,[::1]:26380` (any user info removed) as (host, port) pairs; raises ValueError."""
-    hosts = []
-    for item in netloc.rpartition("@")[2].split(","):
-        host, port = _host_port(item.strip())
-        hosts.append((host, port))
-    return hosts
+def split_hosts(netloc: str, *, default_port: int) -> list[tuple[str, int]]:
+    """`h1:26379,[::1]:26380` (any user info removed) as (host, port) pairs, for the
+    several nodes of a Sentinel or Cluster store URL; raises ValueError."""
+    return [_host_port(item.strip(), default_port) for item in netloc.rpartition("@")[2].split(",")]
 
 
-def _host_port(item: str) -> tuple[str, int]:
+def _host_port(item: str, default_port: int) -> tuple[str, int]:
     if item.startswith("["):
         host, _, rest = item[1:].partition("]")
         port = rest.removeprefix(":")
@@ -120,7 +118,7 @@ def _host_port(item: str) -> tuple[str, int]:
         raise ValueError(f"no host in {item!r}")
     if port and not port.isdigit():
         raise ValueError(f"bad port in {item!r}")
-    number = int(port) if port else DEFAULT_SENTINEL_PORT
+    number = int(port) if port else default_port
     if not 0 < number < 65536:
         raise ValueError(f"bad port in {item!r}")
     return host, number

@@ -9,7 +9,10 @@ without asking the store, and a client flooding far over its limit costs the
 store almost nothing.
 
 Exact as long as nobody deletes a bucket behind the gateway's back and the
-store's clock is not stepped forward. Two details keep it exact:
+store's clock is not stepped forward. A store that gives tokens back (a Redis
+Cluster refunds a check that another slot denied) breaks the premise that
+others only take tokens away: there a denial is held at most `max_hold`, so a
+bucket a refund refilled is under-admitted for that long at most. Two details keep it exact:
 - A denial is keyed by bucket and cost: a smaller cost on the same bucket may
   pass sooner.
 - Its clock starts when the check was sent, which is before the store ran it,
@@ -34,6 +37,9 @@ DEFAULT_MAX_ENTRIES = 65_536
 # denial gives up a thousandth of its length, and a millisecond for rounding.
 CLOCK_RATE_MARGIN = 1e-3
 ROUNDING_MARGIN = 0.001
+# How long a store that refunds may have its denials answered locally: a flooding
+# client still costs that store at most one call per wave per 50 ms.
+REFUNDING_STORE_MAX_HOLD = 0.05
 
 
 def denied_until(*, sent_at: float, remaining: float, limit: Limit, cost: int) -> float:
@@ -51,8 +57,9 @@ class CachedDenial:
 
 
 class DenialCache:
-    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, *, max_hold: float = float("inf")) -> None:
         self._max_entries = max_entries
+        self._max_hold = max_hold
         # (limit name, identity, cost) -> (limit, until, remaining, sent_at). The limit
         # object itself is kept so that one replaced by a reload never matches.
         self._entries: dict[tuple[str, str, int], tuple[Limit, float, float, float]] = {}
@@ -83,7 +90,7 @@ class DenialCache:
     def record(self, check: LimitCheck, *, remaining: float, sent_at: float) -> None:
         """Remember that the store found this bucket short of its cost for a check sent at `sent_at`."""
         limit = check.limit
-        until = denied_until(sent_at=sent_at, remaining=remaining, limit=limit, cost=check.cost)
+        until = min(denied_until(sent_at=sent_at, remaining=remaining, limit=limit, cost=check.cost), sent_at + self._max_hold)
         if until <= sent_at:
             return
         key = (limit.name, check.identity, check.cost)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from gateway.config.model import FailurePolicy, Limit
 from gateway.limiter.circuit_breaker import BreakerState, CircuitBreaker
 from gateway.limiter.client_waves import ClientWaves
-from gateway.limiter.denial_cache import CachedDenial, DenialCache
+from gateway.limiter.denial_cache import REFUNDING_STORE_MAX_HOLD, CachedDenial, DenialCache
 from gateway.limiter.memory_store import MemoryStore
 from gateway.limiter.store import LimitCheck, Store, StoreDecision, StoreError, StoreNotConnected
 
@@ -75,7 +75,12 @@ class Limiter:
         on_breaker_change: Callable[[BreakerState], None] | None = None,
     ) -> None:
         self.store = store
-        self.denials = DenialCache() if shared_store else None
+        if not shared_store:
+            self.denials = None
+        elif store.refunds:
+            self.denials = DenialCache(max_hold=REFUNDING_STORE_MAX_HOLD)
+        else:
+            self.denials = DenialCache()
         self.breaker = CircuitBreaker(on_change=on_breaker_change)
         self._waves = ClientWaves()
         self._local_divisor = local_divisor
@@ -128,7 +133,7 @@ class Limiter:
             self.breaker.succeeded()
             # Allowed or not, a bucket left short of its cost cannot pass until it refills.
             for c, left in zip(checks, answer.remaining):
-                if left < c.cost:
+                if left is not None and left < c.cost:
                     denials.record(c, remaining=left, sent_at=sent_at)
         except StoreError as exc:
             error = exc
@@ -197,7 +202,7 @@ def _decision(checks: Sequence[LimitCheck], answer: StoreDecision) -> Decision:
             limit=c.limit,
             cost=c.cost,
             remaining=left,
-            outcome=ALLOW if answer.allowed else (DENY if left < c.cost else SKIPPED),
+            outcome=ALLOW if answer.allowed else (DENY if left is not None and left < c.cost else SKIPPED),
         )
         for c, left in zip(checks, answer.remaining)
     )

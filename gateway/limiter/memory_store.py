@@ -25,6 +25,7 @@ FORGET_PER_CHECK = 64  # (limit name, identity digest)
 
 class MemoryStore:
     description = "in-process"
+    refunds = False
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock

@@ -181,6 +181,11 @@ class RedisConnection:
             self._reconnect_soon()
             raise
 
+    def connect_soon(self) -> None:
+        """Connect in the background, as after a lost connection."""
+        if self._transport is None:
+            self._reconnect_soon()
+
     def execute(self, *args: Any, timeout: float | None = None) -> asyncio.Future[Any]:
         """Queue one command; the future resolves to its reply or raises StoreError."""
         if self._transport is None:

@@ -18,7 +18,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
 
-from gateway.config.units import split_sentinel_hosts
+from gateway.config.units import SENTINEL_PORT, split_hosts
 from gateway.limiter.redis_connection import RedisAddress
 from gateway.limiter.store import StoreError
 
@@ -44,7 +44,7 @@ def parse_sentinel_url(url: str) -> SentinelService:
     username, _, password = userinfo.partition(":") if userinfo else ("", "", "")
     db = parse_qs(parts.query).get("db", ["0"])[0]
     return SentinelService(
-        sentinels=tuple(split_sentinel_hosts(parts.netloc)),
+        sentinels=tuple(split_hosts(parts.netloc, default_port=SENTINEL_PORT)),
         service=unquote(parts.path.strip("/")),
         username=unquote(username) or None,
         password=unquote(password) if userinfo and ":" in userinfo else None,

@@ -26,13 +26,15 @@ from urllib.parse import urlsplit, urlunsplit
 
 from gateway.config.model import Limit, StoreConfig
 from gateway.limiter.keys import bucket_key, identity_digest
-from gateway.limiter import redis_sentinel
+from gateway.limiter import redis_cluster, redis_sentinel
+from gateway.limiter.redis_cluster import RedisCluster, key_slot
 from gateway.limiter.redis_connection import RedisAddress, RedisConnection, RedisReplyError, parse_redis_url
 from gateway.limiter.store import LimitCheck, StoreDecision, StoreError
 
 log = logging.getLogger(__name__)
 
 SCRIPT_NAME = "token_bucket.lua"
+REFUND_SCRIPT_NAME = "token_refund.lua"
 # Gateways sharing a Redis share this identity-hashing secret unless key_secret is set.
 SECRET_KEY_SUFFIX = "identity-secret"
 # How often a gateway re-reads that secret, so a fleet agrees again within this
@@ -64,6 +66,8 @@ class RedisStore:
         self.description = f"redis {redacted(config.url)}"
         self._script = load_script().encode()
         self._sha = hashlib.sha1(self._script).hexdigest().encode()
+        self._refund_script = load_script(REFUND_SCRIPT_NAME).encode()
+        self._refund_sha = hashlib.sha1(self._refund_script).hexdigest().encode()
         self._secret: bytes | None = config.key_secret.encode() if config.key_secret else None
         self._secret_read_at = 0.0
         self._sharing_secret: asyncio.Future[None] | None = None
@@ -71,68 +75,120 @@ class RedisStore:
         self._args_cache: dict[tuple[int, int], tuple[Limit, tuple[bytes, bytes, bytes]]] = {}
         self._setup_timeout = max(config.timeout, SETUP_TIMEOUT_FLOOR)
         connect_timeout = max(config.timeout * 10, SETUP_TIMEOUT_FLOOR)
-        if urlsplit(config.url).scheme == redis_sentinel.SCHEME:
-            service = redis_sentinel.parse_sentinel_url(config.url)
-            address = RedisAddress(host=service.sentinels[0][0], port=service.sentinels[0][1])
-
-            async def master() -> RedisAddress:
-                return await redis_sentinel.master_address(service, timeout=connect_timeout / len(service.sentinels))
-
-            resolve: Callable[[], Awaitable[RedisAddress]] | None = master
+        self._cluster: RedisCluster | None = None
+        self._redis: RedisCluster | OneNode
+        self.refunds = urlsplit(config.url).scheme == redis_cluster.SCHEME
+        if self.refunds:
+            self._redis = self._cluster = RedisCluster(
+                redis_cluster.parse_cluster_url(config.url),
+                timeout=config.timeout,
+                connect_timeout=connect_timeout,
+                max_pending=config.max_pending,
+            )
         else:
-            address, resolve = parse_redis_url(config.url, tls_ca_file=config.tls_ca_file), None
-        self._connection = RedisConnection(
-            address,
-            timeout=config.timeout,
-            connect_timeout=connect_timeout,
-            max_pending=config.max_pending,
-            resolve=resolve,
-        )
+            self._redis = OneNode(config, connect_timeout=connect_timeout)
 
     async def start(self) -> None:
-        await self._connection.connect()
+        await self._redis.connect()
         if self._secret is None:
             await self._share_secret()
-        await self._connection.execute("SCRIPT", "LOAD", self._script, timeout=self._setup_timeout)
+        for script in (self._script, self._refund_script):
+            await self._redis.on_every_master("SCRIPT", "LOAD", script, timeout=self._setup_timeout)
 
     async def ping(self) -> None:
-        # The readiness probe connects at once, without waiting for the reconnect backoff.
-        await self._connection.connect()
-        await self._connection.execute("PING", timeout=max(self._config.timeout, 0.25))
+        await self._redis.ping()
 
     async def close(self) -> None:
         if self._rereading is not None:
             self._rereading.cancel()
-        await self._connection.close()  # fails an exchange in flight with StoreError
+        await self._redis.close()  # fails an exchange in flight with StoreError
 
     async def check(self, checks: Sequence[LimitCheck]) -> StoreDecision:
         if self._secret is None:
             await self._share_secret()
-        keys_and_args = self._keys_and_args(checks)
+        for attempt in range(2):
+            keys = self._keys(checks)
+            try:
+                if self._cluster is None:
+                    decision = _decision(await self._call(self._script, self._sha, 0, keys, self._args(checks)))
+                else:
+                    decision = await self._check_slots(checks, keys)
+                break
+            except _SecretChanged:  # the keys were hashed with the secret of before an empty restart
+                if attempt:
+                    raise
+        self._maybe_reread_secret()
+        return decision
+
+    async def _check_slots(self, checks: Sequence[LimitCheck], keys: list[str]) -> StoreDecision:
+        """A check across Redis Cluster slots: one script call per slot, in slot order.
+
+        Each call is all-or-nothing within its slot. When a later slot denies, what
+        the earlier slots charged is given back (`lua/token_refund.lua`) before the
+        denial is answered. Until the refund lands, those buckets hold less than they
+        should, which can only deny, never admit. When a later slot fails, earlier charges
+        stay: the request may yet be allowed by the failure policy."""
+        slots: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            slots.setdefault(key_slot(key), []).append(i)
+        if len(slots) == 1:
+            return _decision(await self._call(self._script, self._sha, next(iter(slots)), keys, self._args(checks)))
+        remaining: list[float | None] = [None] * len(checks)
+        charged: list[int] = []
+        for slot in sorted(slots):
+            indices = slots[slot]
+            part = [checks[i] for i in indices]
+            decision = _decision(await self._call(self._script, self._sha, slot, [keys[i] for i in indices], self._args(part)))
+            for i, left in zip(indices, decision.remaining):
+                remaining[i] = left
+            if not decision.allowed:
+                for i in charged:
+                    remaining[i] += checks[i].cost  # as found, before this request
+                await self._refund([i for i in charged if checks[i].cost], checks, keys)
+                return StoreDecision(allowed=False, remaining=tuple(remaining), retry_after=decision.retry_after)
+            charged += indices
+        return StoreDecision(allowed=True, remaining=tuple(remaining), retry_after=0.0)
+
+    async def _refund(self, indices: list[int], checks: Sequence[LimitCheck], keys: list[str]) -> None:
+        """Give back what `indices` were charged, one call per slot. Awaited, so this
+        gateway's next check of the same client finds the tokens back."""
+        slots: dict[int, list[int]] = {}
+        for i in indices:
+            slots.setdefault(key_slot(keys[i]), []).append(i)
+        refunds = [
+            self._call(
+                self._refund_script,
+                self._refund_sha,
+                slot,
+                [keys[i] for i in part],
+                [arg for i in part for arg in self._script_args(checks[i])[0::2]],  # capacity, cost
+            )
+            for slot, part in slots.items()
+        ]
+        for outcome in await asyncio.gather(*refunds, return_exceptions=True):
+            if isinstance(outcome, StoreError):
+                # The tokens stay charged: this client is under-admitted until they refill.
+                log.warning("could not refund a check denied in another slot: %s", outcome)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+
+    async def _call(self, script: bytes, sha: bytes, slot: int, keys: Sequence[str], args: Sequence[bytes]) -> object:
+        """EVALSHA, or EVAL when Redis has lost its script cache."""
         try:
-            reply = await self._connection.execute(b"EVALSHA", self._sha, len(checks), *keys_and_args)
+            return await self._redis.execute(slot, b"EVALSHA", sha, len(keys), *keys, *args)
         except RedisReplyError as exc:
             if not exc.reply.startswith("NOSCRIPT"):
                 raise
-            # The script cache is empty after a restart, a failover or SCRIPT FLUSH, and
-            # a restart also lost the identity secret: offer ours again before another
-            # gateway picks a new one. NOSCRIPT means nothing ran, so sending the
-            # script itself is safe; EVAL also caches it for the next EVALSHA.
-            if not self._config.key_secret:
-                await self._share_secret()
-                keys_and_args = self._keys_and_args(checks)
-            reply = await self._connection.execute(b"EVAL", self._script, len(checks), *keys_and_args)
-        self._maybe_reread_secret()
-        try:
-            allowed, remaining, retry_ms = reply
-            retry_ms = int(retry_ms)
-            return StoreDecision(
-                allowed=bool(allowed),
-                remaining=tuple(float(r) for r in remaining),
-                retry_after=float("inf") if retry_ms < 0 else retry_ms / 1000,
-            )
-        except (TypeError, ValueError) as exc:
-            raise StoreError(f"{self.description}: unexpected script reply {reply!r}") from exc
+        # The script cache is empty after a restart, a failover or SCRIPT FLUSH, and
+        # a restart also lost the identity secret: offer ours again before another
+        # gateway picks a new one. NOSCRIPT means nothing ran, so sending the
+        # script itself is safe; EVAL also caches it for the next EVALSHA.
+        if not self._config.key_secret and script is self._script:
+            secret = self._secret
+            await self._share_secret()
+            if self._secret != secret:
+                raise _SecretChanged(f"{self.description}: the identity secret changed")
+        return await self._redis.execute(slot, b"EVAL", script, len(keys), *keys, *args)
 
     async def _share_secret(self) -> None:
         """Agree with the fleet on the identity secret kept in Redis, once at a time.
@@ -152,10 +208,10 @@ class RedisStore:
     async def _exchange_secret(self) -> None:
         name = f"{self._config.prefix}{SECRET_KEY_SUFFIX}"
         offer = self._secret if self._secret is not None else os.urandom(32).hex().encode()
-        execute = self._connection.execute
+        execute, slot = self._redis.execute, key_slot(name)
         replies = await asyncio.gather(
-            execute("SET", name, offer, "NX", timeout=self._setup_timeout),
-            execute("GET", name, timeout=self._setup_timeout),
+            execute(slot, "SET", name, offer, "NX", timeout=self._setup_timeout),
+            execute(slot, "GET", name, timeout=self._setup_timeout),
             return_exceptions=True,
         )
         for reply in replies:
@@ -188,21 +244,22 @@ class RedisStore:
         except StoreError as exc:
             log.debug("could not re-read the identity secret: %s", exc)
 
-    def _keys_and_args(self, checks: Sequence[LimitCheck]) -> list[bytes | str]:
-        """KEYS then ARGV for the script: each identity hashed once, even when limits share it."""
+    def _keys(self, checks: Sequence[LimitCheck]) -> list[str]:
+        """The bucket of each check: each identity hashed once, even when limits share it."""
         secret = self._secret
         assert secret is not None
         prefix = self._config.prefix
         digests: dict[str, str] = {}
-        keys: list[bytes | str] = []
-        args: list[bytes | str] = []
+        keys = []
         for c in checks:
             digest = digests.get(c.identity)
             if digest is None:
                 digest = digests[c.identity] = identity_digest(secret, c.identity)
             keys.append(bucket_key(prefix, c.limit.name, digest))
-            args += self._script_args(c)
-        return keys + args
+        return keys
+
+    def _args(self, checks: Sequence[LimitCheck]) -> list[bytes]:
+        return [arg for c in checks for arg in self._script_args(c)]
 
     def _script_args(self, check: LimitCheck) -> tuple[bytes, bytes, bytes]:
         """ARGV for one bucket (capacity, rate per second, cost), formatted once per limit and cost.
@@ -214,3 +271,62 @@ class RedisStore:
             args = (repr(float(limit.burst)).encode(), repr(limit.rate.per_second).encode(), str(check.cost).encode())
             self._args_cache[key] = cached = (limit, args)
         return cached[1]
+
+
+def _decision(reply: object) -> StoreDecision:
+    """The token-bucket script's reply: {allowed, {remaining, ...}, retry_after_ms}."""
+    try:
+        allowed, remaining, retry_ms = reply  # type: ignore[misc]
+        retry_ms = int(retry_ms)
+        return StoreDecision(
+            allowed=bool(allowed),
+            remaining=tuple(float(r) for r in remaining),
+            retry_after=float("inf") if retry_ms < 0 else retry_ms / 1000,
+        )
+    except (TypeError, ValueError) as exc:
+        raise StoreError(f"unexpected script reply {reply!r}") from exc
+
+
+class _SecretChanged(StoreError):
+    """Redis holds another identity secret than the one a check's keys were hashed with."""
+
+
+class OneNode:
+    """A single Redis (or the master Sentinel names) over one pipelined connection,
+    with the same face as `RedisCluster`: the slot of a command is ignored."""
+
+    def __init__(self, config: StoreConfig, *, connect_timeout: float) -> None:
+        if urlsplit(config.url).scheme == redis_sentinel.SCHEME:
+            service = redis_sentinel.parse_sentinel_url(config.url)
+            address = RedisAddress(host=service.sentinels[0][0], port=service.sentinels[0][1])
+
+            async def master() -> RedisAddress:
+                return await redis_sentinel.master_address(service, timeout=connect_timeout / len(service.sentinels))
+
+            resolve: Callable[[], Awaitable[RedisAddress]] | None = master
+        else:
+            address, resolve = parse_redis_url(config.url, tls_ca_file=config.tls_ca_file), None
+        self._connection = RedisConnection(
+            address,
+            timeout=config.timeout,
+            connect_timeout=connect_timeout,
+            max_pending=config.max_pending,
+            resolve=resolve,
+        )
+
+    async def connect(self) -> None:
+        await self._connection.connect()
+
+    async def ping(self) -> None:
+        # The readiness probe connects at once, without waiting for the reconnect backoff.
+        await self._connection.connect()
+        await self._connection.execute("PING", timeout=max(self._connection.timeout, 0.25))
+
+    def execute(self, slot: int, *args: object, timeout: float | None = None) -> Awaitable[object]:
+        return self._connection.execute(*args, timeout=timeout)
+
+    async def on_every_master(self, *args: object, timeout: float) -> None:
+        await self._connection.execute(*args, timeout=timeout)
+
+    async def close(self) -> None:
+        await self._connection.close()

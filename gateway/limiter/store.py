@@ -34,12 +34,16 @@ class LimitCheck:
 @dataclass(frozen=True, slots=True)
 class StoreDecision:
     allowed: bool
-    remaining: tuple[float, ...]  # per check, in order
+    # Per check, in order. None: not asked, because a check in an earlier Redis Cluster slot denied.
+    remaining: tuple[float | None, ...]
     retry_after: float  # seconds; 0 when allowed
 
 
 class Store(Protocol):
     description: str  # for logs and /readyz, with any password removed
+    # Whether a check may give back tokens it charged (a Redis Cluster check across
+    # slots that a later slot denied). Then tokens can reappear faster than they refill.
+    refunds: bool
 
     async def start(self) -> None:
         """Open connections. May raise StoreError; the gateway still starts and retries."""

@@ -15,6 +15,7 @@ STORES_BY_SCHEME: dict[str, Callable[[StoreConfig], Store]] = {
     "rediss": RedisStore,
     "unix": RedisStore,
     "redis+sentinel": RedisStore,  # finds the master through Sentinel
+    "redis+cluster": RedisStore,  # one connection per master, commands routed by hash slot
 }
 
 
