@@ -61,6 +61,7 @@ class Proxy:
         self.commands: collections.Counter[str] = collections.Counter()
         self.links: set[Link] = set()
         self._server: asyncio.Server | None = None
+        self._handlers: set[asyncio.Task] = set()
 
     async def listen(self) -> None:
         self._server = await asyncio.start_server(self._accepted, HOST, self.port)
@@ -88,8 +89,18 @@ class Proxy:
             return
         link = Link(self, client_reader, client_writer, server_reader, server_writer)
         self.links.add(link)
+        self._handlers.add(asyncio.current_task())
         await link.run()
         self.links.discard(link)
+        self._handlers.discard(asyncio.current_task())
+
+    async def close(self) -> None:
+        """Close every connection and wait for their handlers, so none is cancelled mid-way."""
+        if self._server is not None:
+            self._server.close()
+        for link in list(self.links):
+            link.close()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
 
 
 class Link:
@@ -180,6 +191,7 @@ async def main(target_port: int) -> None:
             print(json.dumps(proxy.commands), flush=True)
         else:
             print(f"error unknown command {line[0]!r}", flush=True)
+    await proxy.close()
 
 
 class ChaosProxy:
