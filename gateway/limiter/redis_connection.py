@@ -36,7 +36,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
 
-from gateway.limiter.store import StoreError
+from gateway.limiter.store import StoreError, StoreNotConnected
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class RedisConnection:
         """Queue one command; the future resolves to its reply or raises StoreError."""
         if self._transport is None:
             self._reconnect_soon()
-            raise StoreError(f"redis {self.address}: {self._last_error}")
+            raise StoreNotConnected(f"redis {self.address}: {self._last_error}")
         if self.pending >= self._max_pending:
             error = StoreError(f"redis {self.address}: {self.pending} commands already waiting for Redis")
             self._drop_if_stale()
