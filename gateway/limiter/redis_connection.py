@@ -156,6 +156,7 @@ class RedisConnection:
         self._last_error = "not connected yet"
         self._opening: asyncio.Future[None] | None = None  # the attempt to connect under way
         self._closed = False
+        self.ever_connected = False  # False until the first connect succeeds
 
     @property
     def connected(self) -> bool:
@@ -351,6 +352,7 @@ class RedisConnection:
             self._abort()
             self._last_error = f"cannot connect: {exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
             raise StoreError(f"redis {address}: {self._last_error}") from None
+        self.ever_connected = True
         log.info("connected to redis %s", address)
 
     async def _handshake(self) -> None:
