@@ -5,7 +5,7 @@ Trusts whoever can reach it; bind it to a private address (the default is 127.0.
 
 from __future__ import annotations
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.config.model import FailurePolicy, GatewayConfig
@@ -36,7 +36,11 @@ def admin_app(config: GatewayConfig, limiter: Limiter, metrics: Metrics) -> web.
         body = generate_latest(metrics.exposition_registry())
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    async def without_banner(_: web.Request, response: web.StreamResponse) -> None:
+        response.headers.popall(hdrs.SERVER, None)  # aiohttp's `Python/3.11 aiohttp/X.Y.Z`
+
     app = web.Application()
+    app.on_response_prepare.append(without_banner)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_endpoint)

@@ -14,6 +14,7 @@ from gateway.limiter.store import StoreError
 from gateway.limiter.store_factory import make_store
 from gateway.metrics import Metrics, breaker_gauge_setter
 from gateway.proxy.handler import ProxyHandler
+from gateway.proxy.protocol import PublicServer
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,9 @@ class Gateway:
         answer and is counted. An Application would first run its router, which for an app
         without routes builds and discards a 404 and rebuilds the middleware chain on every
         request, costing more than the rest of the gateway's own work on it. `kwargs` go to
-        aiohttp's RequestHandler: access_log, access_log_class."""
-        return web.Server(self.handler.handle, **kwargs)
+        aiohttp's RequestHandler: access_log, access_log_class. PublicServer answers what the
+        parser refuses as problem+json and writes no Server banner."""
+        return PublicServer(self.handler.handle, **kwargs)
 
     async def start(self) -> None:
         try:

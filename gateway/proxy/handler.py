@@ -27,6 +27,7 @@ from gateway.proxy.client_identity import ClientIdentity, IdentityRejected
 from gateway.proxy.headers import GATEWAY_WRITTEN, add_forwarded, end_to_end
 from gateway.proxy.paths import NormalPath, PathRejected, normalize_path
 from gateway.proxy.problem import problem, problem_response
+from gateway.proxy.protocol import request_line_problem
 from gateway.proxy.ratelimit_headers import ratelimit_headers, retry_after_seconds
 from gateway.proxy.route_plan import Plans, RoutePlan, compile_plans
 from gateway.proxy.websocket import is_websocket_upgrade, proxy_websocket
@@ -74,6 +75,9 @@ class ProxyHandler:
         requests = plans.unmatched
         response: web.StreamResponse | None = None
         try:
+            response = request_line_problem(request)
+            if response is not None:
+                return response
             if "Expect" in request.headers:
                 response = await _expectation(request)
                 if response is not None:
@@ -188,12 +192,13 @@ class ProxyHandler:
         # Every response on a limited route carries the RateLimit fields, errors included.
         except asyncio.TimeoutError:
             return problem_response(504, plan.upstream_timeout, headers=limit_headers)
+        # The client learns what failed, never where: the upstream's address stays in the log.
         except aiohttp.ClientConnectorError as exc:
-            return problem(
-                502, "Bad Gateway", f"Cannot connect to the upstream: {exc.os_error.strerror or exc}.", headers=limit_headers
-            )
+            log.warning("cannot connect to upstream %s: %s", plan.upstream, exc.os_error.strerror or exc)
+            return problem(502, "Bad Gateway", "Cannot connect to the upstream.", headers=limit_headers)
         except aiohttp.ClientError as exc:
-            return problem(502, "Bad Gateway", f"The upstream failed: {type(exc).__name__}.", headers=limit_headers)
+            log.warning("upstream %s failed: %s: %s", plan.upstream, type(exc).__name__, exc)
+            return problem(502, "Bad Gateway", "The upstream failed.", headers=limit_headers)
 
 
 class _ArrivedResponse(web.StreamResponse):
