@@ -68,6 +68,23 @@ _HTTP_TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _NOT_IN_ROUTE_PATH = re.compile(r"[%;?#\\\x00-\x1f\x7f]")
 
 
+def redacted_url(url: str) -> str:
+    """`url` with its userinfo's secret replaced by `***`, for error messages and logs.
+
+    The userinfo is everything between `://` and the last `@`, as a person wrote it: a
+    password holding an unencoded `#`, `/` or `?` ends urlsplit's netloc early, so
+    urlsplit would show the password's tail as a path or fragment. Before a `:`, the user
+    name stays; with no `:` the whole userinfo goes, since `redis://password@host` puts a
+    password where the user name goes. An `@` in the path or query is redacted too: it is
+    rare, and showing too little is the safe side."""
+    scheme, sep, rest = url.partition("://")
+    at = rest.rfind("@")
+    if not sep or at < 0:
+        return url if "@" not in url else "***" + url[url.rfind("@"):]
+    user, colon, _ = rest[:at].partition(":")
+    return f"{scheme}://{user + ':***' if colon else '***'}@{rest[at + 1:]}"
+
+
 class ConfigError(Exception):
     """An invalid config file; str() is the one line shown to the user."""
 
@@ -349,12 +366,20 @@ def _store(doc: Any, r: _Reader) -> StoreConfig:
             "store.max_pending bounds the commands waiting on it",
         )
     url = r.string(spec["url"], "store.url")
+    shown = redacted_url(url)  # every message below shows this, never the password
+    userinfo = url.partition("://")[2].rpartition("@")[0]
+    if any(c in userinfo for c in "/?#"):
+        r.fail(
+            "store.url",
+            f"the user name or password holds /, ? or #, which end the host part of a URL; "
+            f"percent-encode them (%2F, %3F, %23), got {shown!r}",
+        )
     parts = urlsplit(url)
     if parts.scheme not in STORE_SCHEMES:
-        r.fail("store.url", f"expected a URL with scheme {', '.join(s + '://' for s in STORE_SCHEMES)}, got {url!r}")
+        r.fail("store.url", f"expected a URL with scheme {', '.join(s + '://' for s in STORE_SCHEMES)}, got {shown!r}")
     if parts.scheme == "unix":
         if not parts.path:
-            r.fail("store.url", f"expected unix:///path/to/redis.sock, got {url!r}")
+            r.fail("store.url", f"expected unix:///path/to/redis.sock, got {shown!r}")
         allowed_query = {"db"}
     elif parts.scheme == "redis+sentinel":
         example = "redis+sentinel://host:26379,host:26380/mymaster"
@@ -377,11 +402,11 @@ def _store(doc: Any, r: _Reader) -> StoreConfig:
         allowed_query = set()
     else:
         if not parts.hostname:
-            r.fail("store.url", f"expected a host, as in redis://127.0.0.1:6379/0, got {url!r}")
+            r.fail("store.url", f"expected a host, as in redis://127.0.0.1:6379/0, got {shown!r}")
         try:
             _ = parts.port  # raises ValueError on a bad port
         except ValueError:
-            r.fail("store.url", f"bad port in {url!r}")
+            r.fail("store.url", f"bad port in {shown!r}")
         db = parts.path.lstrip("/")
         if db and not db.isdigit():
             r.fail("store.url", f"expected a database number as the path, as in /0, got {parts.path!r}")
