@@ -17,7 +17,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import yaml
 
-from gateway.config import jwt_keys
+from gateway.config import jwt_keys, tls
 from gateway.config.model import (
     DotSegments,
     EscapedSlashes,
@@ -28,6 +28,7 @@ from gateway.config.model import (
     JwtConfig,
     JwtFailure,
     Limit,
+    ListenTls,
     Match,
     PathNormalization,
     Route,
@@ -35,7 +36,7 @@ from gateway.config.model import (
     StoreConfig,
     UpstreamTimeout,
 )
-from gateway.config.units import REDIS_PORT, SENTINEL_PORT, parse_address, parse_duration, parse_rate, split_hosts
+from gateway.config.units import REDIS_PORT, Address, SENTINEL_PORT, parse_address, parse_duration, parse_rate, split_hosts
 
 # Envoy's rate-limit filter defaults to 20 ms; 10 ms leaves a same-zone Redis
 # (~0.2 ms round trip) fifty times its usual latency before a request pays for it.
@@ -238,10 +239,10 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         required=("routes",),
         optional=(
             "listen", "admin_listen", "workers", "max_in_flight", "store", "trusted_proxies", "limits",
-            "shutdown_grace", "forwarded_headers", "jwt", "path_normalization",
+            "shutdown_grace", "forwarded_headers", "jwt", "path_normalization", "admin_token_env",
         ),
     )
-    listen = r.parsed(parse_address, top.get("listen", DEFAULT_LISTEN), "listen")
+    listen, listen_tls = _listen(top.get("listen", DEFAULT_LISTEN), r)
     admin_listen = r.parsed(parse_address, top.get("admin_listen", DEFAULT_ADMIN_LISTEN), "admin_listen")
     workers = r.integer(top.get("workers", 1), "workers", minimum=1)
     max_in_flight = r.integer(top.get("max_in_flight", DEFAULT_MAX_IN_FLIGHT), "max_in_flight", minimum=1)
@@ -296,7 +297,47 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         forwarded_headers=forwarded_headers,
         jwt=jwt_config,
         path_normalization=_path_normalization(top.get("path_normalization", {}), r),
+        listen_tls=listen_tls,
+        admin_token=_admin_token(top.get("admin_token_env"), r, environ),
     )
+
+
+def _listen(doc: Any, r: _Reader) -> tuple[Address, ListenTls | None]:
+    """`listen: HOST:PORT`, or `listen: {address: HOST:PORT, tls: {cert, key, min_version}}`."""
+    if not isinstance(doc, dict):
+        return r.parsed(parse_address, doc, "listen"), None
+    spec = r.mapping(doc, "listen", required=("address",), optional=("tls",))
+    address = r.parsed(parse_address, spec["address"], "listen.address")
+    if spec.get("tls") is None:
+        return address, None
+    tls_doc = r.mapping(spec["tls"], "listen.tls", required=("cert", "key"), optional=("min_version",))
+    min_version = tls_doc.get("min_version", "TLSv1.2")
+    if min_version not in tls.TLS_VERSIONS:
+        r.fail("listen.tls.min_version", f"expected {' or '.join(tls.TLS_VERSIONS)}, got {min_version!r}")
+    listen_tls = ListenTls(
+        cert_file=r.string(tls_doc["cert"], "listen.tls.cert"),
+        key_file=r.string(tls_doc["key"], "listen.tls.key"),
+        min_version=min_version,
+    )
+    try:
+        tls.server_context(listen_tls)
+    except OSError as exc:
+        r.fail("listen.tls", f"cannot load the certificate and key: {exc.strerror or exc}")
+    return address, listen_tls
+
+
+def _admin_token(name: Any, r: _Reader, environ: Mapping[str, str]) -> str | None:
+    """The admin bearer token from the environment variable `admin_token_env` names; the
+    token itself never sits in the file, and no message shows it."""
+    if name is None:
+        return None
+    name = r.string(name, "admin_token_env")
+    token = environ.get(name)
+    if token is None:
+        r.fail("admin_token_env", f"environment variable {name} is not set")
+    if len(token) < 16 or not token.isascii() or not token.isprintable() or " " in token:
+        r.fail("admin_token_env", f"the token in {name} must be at least 16 visible ASCII characters")
+    return token
 
 
 def _jwt(doc: Any, r: _Reader, environ: Mapping[str, str]) -> JwtConfig:

@@ -31,6 +31,7 @@ from aiohttp.http_exceptions import (
     LineTooLong,
     PayloadEncodingError,
 )
+from aiohttp import web_protocol
 from aiohttp.web_protocol import RequestHandler
 
 from gateway.proxy.problem import problem
@@ -53,6 +54,13 @@ _MALFORMED = "The request is malformed."
 # are how `evil.example/@x`-style values confuse an upstream's URL parser. An IP-literal
 # is an IPv6 address in brackets. RFC 9112 §3.2 asks for 400 on an invalid Host.
 _VALID_HOST = re.compile(r"(?:[A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{0,5})?")
+
+
+def request_parser() -> str:
+    """"llhttp" when aiohttp parses requests with its C extension (llhttp), as the gateway
+    must: most aiohttp request-smuggling advisories hit only the pure-Python parser, which
+    aiohttp falls back to without a compiled wheel or with AIOHTTP_NO_EXTENSIONS set."""
+    return "llhttp" if web_protocol.HttpRequestParser.__module__ == "aiohttp._http_parser" else "python"
 
 
 def host_problem(request: web.BaseRequest) -> web.Response | None:
