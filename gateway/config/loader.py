@@ -87,7 +87,14 @@ def redacted_url(url: str) -> str:
 
 
 class ConfigError(Exception):
-    """An invalid config file; str() is the one line shown to the user."""
+    """An invalid config file; str() is the one line shown to the user. Characters that are
+    not printable (a key holding a newline, a value with a control character) are escaped
+    as Python writes them, so the message stays one line and writes nothing to a terminal."""
+
+    def __init__(self, message: str) -> None:
+        if not message.isprintable():
+            message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+        super().__init__(message)
 
 
 class _SafeLoaderRejectingDuplicates(yaml.SafeLoader):
@@ -312,7 +319,7 @@ def _listen(doc: Any, r: _Reader) -> tuple[Address, ListenTls | None]:
         return address, None
     tls_doc = r.mapping(spec["tls"], "listen.tls", required=("cert", "key"), optional=("min_version",))
     min_version = tls_doc.get("min_version", "TLSv1.2")
-    if min_version not in tls.TLS_VERSIONS:
+    if not isinstance(min_version, str) or min_version not in tls.TLS_VERSIONS:
         r.fail("listen.tls.min_version", f"expected {' or '.join(tls.TLS_VERSIONS)}, got {min_version!r}")
     listen_tls = ListenTls(
         cert_file=r.string(tls_doc["cert"], "listen.tls.cert"),
@@ -623,6 +630,8 @@ def _route_limit(item: Any, path: str, limits: Mapping[str, Limit], r: _Reader) 
 
 
 def _join(path: str, key: str) -> str:
+    if not key or key != key.strip() or any(c in key for c in ".:[]'"):
+        key = repr(key)  # a key that would read as part of the path, or as none
     return f"{path}.{key}" if path else key
 
 
