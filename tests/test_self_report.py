@@ -66,6 +66,14 @@ async def test_a_request_the_parser_refuses_gets_a_problem_that_echoes_nothing(g
     assert values(headers, "Server") == []
 
 
+async def test_a_417_does_not_echo_the_expectation(gw):
+    request = f"POST /echo HTTP/1.1\r\nHost: gw\r\nContent-Length: 0\r\nExpect: <script>{KEY}\r\nConnection: close\r\n\r\n"
+    status, headers, body = await raw_exchange(gw.url, request.encode())
+    assert status == 417
+    assert json.loads(body)["status"] == 417
+    assert KEY.encode() not in body and b"script" not in body
+
+
 async def test_malformed_requests_log_no_traceback_even_at_debug_level(upstream):
     with GatewayProcess(catch_all(upstream), args=("--log-level", "debug")) as gw:
         for request_text in MALFORMED.values():

@@ -218,7 +218,7 @@ async def _expectation(request: web.BaseRequest) -> web.Response | None:
         return None
     expect = request.headers["Expect"]
     if expect.lower() != "100-continue":
-        return problem(417, "Expectation Failed", f"Only 100-continue is understood, not {expect!r}.")
+        return problem(417, "Expectation Failed", "Only the expectation 100-continue is understood.")
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the interim response is not part of the response's size
     await request.writer.drain()
