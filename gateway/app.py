@@ -12,7 +12,7 @@ from gateway.config.model import GatewayConfig
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.store import StoreError
 from gateway.limiter.store_factory import make_store
-from gateway.metrics import Metrics, breaker_gauge_setter
+from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics, breaker_gauge_setter
 from gateway.proxy.handler import ProxyHandler
 from gateway.proxy.protocol import PublicServer
 
@@ -41,7 +41,10 @@ class Gateway:
         request, costing more than the rest of the gateway's own work on it. `kwargs` go to
         aiohttp's RequestHandler: access_log, access_log_class. PublicServer answers what the
         parser refuses as problem+json and writes no Server banner."""
-        return PublicServer(self.handler.handle, **kwargs)
+        # A request the parser refused has no method to trust: it is counted as OTHER, and
+        # bound on first use like every other child, so /metrics shows it once it happens.
+        refused = Children(self.metrics.requests, route=UNMATCHED_ROUTE, method="OTHER", status_class="4xx")
+        return PublicServer(self.handler.handle, refused=lambda: refused().inc(), **kwargs)
 
     async def start(self) -> None:
         try:

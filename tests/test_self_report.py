@@ -17,6 +17,7 @@ from gateway.config import ConfigError, parse_config
 from gateway.limiter.redis_store import redacted
 from gateway.testing import running_gateway
 from tests.processes import GatewayProcess, free_port
+from tests.scrape import scrape, value
 from tests.test_proxy import raw_exchange, values
 
 KEY = "sekrit-key-77c1"
@@ -72,6 +73,13 @@ async def test_a_417_does_not_echo_the_expectation(gw):
     assert status == 417
     assert json.loads(body)["status"] == 417
     assert KEY.encode() not in body and b"script" not in body
+
+
+async def test_requests_the_parser_refuses_are_counted(gw, client):
+    for request_text in MALFORMED.values():
+        await raw_exchange(gw.url, request_text.encode("latin-1"))
+    _, samples = await scrape(client, gw.admin_url)
+    assert value(samples, "gateway_requests_total", route="unmatched", method="OTHER", status_class="4xx") == len(MALFORMED)
 
 
 async def test_malformed_requests_log_no_traceback_even_at_debug_level(upstream):

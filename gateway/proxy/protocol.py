@@ -19,6 +19,7 @@ import asyncio
 import logging
 import re
 from http import HTTPStatus
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import hdrs, web
@@ -120,6 +121,8 @@ class _RequestHandler(RequestHandler):
             detail = "The gateway failed to handle this request."
         elif status == HTTPStatus.BAD_REQUEST:
             log.debug("refused a malformed request from %s: %s", request.remote, type(exc).__name__)
+            if self._manager is not None:
+                self._manager.refused()
             detail = next((text for kind, text in _PARSER_ERRORS if isinstance(exc, kind)), _MALFORMED)
         else:
             detail = HTTPStatus(status).description + "."
@@ -131,10 +134,13 @@ class _RequestHandler(RequestHandler):
 
 
 class PublicServer(web.Server):
-    """aiohttp's low-level server, speaking through the handler and request classes above."""
+    """aiohttp's low-level server, speaking through the handler and request classes above.
+    `refused` is called for each request the parser refused, which the proxy handler never
+    sees, so that the metrics count it."""
 
-    def __init__(self, handler: Any, **kwargs: Any) -> None:
+    def __init__(self, handler: Any, *, refused: Callable[[], None] = lambda: None, **kwargs: Any) -> None:
         super().__init__(handler, request_factory=self._request, **kwargs)
+        self.refused = refused
 
     def _request(
         self, message: Any, payload: Any, protocol: RequestHandler, writer: Any, task: asyncio.Task[None]
