@@ -21,7 +21,7 @@ import trustme
 from gateway.config import ConfigError, parse_config
 from gateway.proxy.protocol import request_parser
 from gateway.testing import config_from_yaml, running_gateway
-from tests.processes import GatewayProcess
+from tests.processes import GatewayProcess, run_cli
 
 ROUTE = "routes:\n  - match: {path: /}\n    upstream: http://127.0.0.1:9000\n"
 TOKEN = "adm1n-t0ken-5f0c2e9a"
@@ -182,6 +182,28 @@ async def test_aiohttp_parses_requests_with_llhttp_in_the_gateway_process(upstre
     with GatewayProcess(f"admin_listen: 127.0.0.1:0\nroutes:\n  - match: {{path: /}}\n    upstream: {upstream}\n") as gw:
         startup = next(line for line in gw.stderr_lines if "listening on" in line)
     assert startup.rstrip().endswith("parser: llhttp"), startup
+
+
+async def test_the_pure_python_parser_is_named_and_warned_about(upstream):
+    config = f"admin_listen: 127.0.0.1:0\nroutes:\n  - match: {{path: /}}\n    upstream: {upstream}\n"
+    with GatewayProcess(config, env={"AIOHTTP_NO_EXTENSIONS": "1"}) as gw:
+        startup = next(line for line in gw.stderr_lines if "listening on" in line)
+        warnings = [line for line in gw.stderr_lines if "pure Python" in line]
+    assert startup.rstrip().endswith("parser: python"), startup
+    assert warnings, gw.stderr_lines
+
+
+def test_check_shows_tls_and_the_admin_token_but_never_the_token(certificate, tmp_path):
+    cert, key = certificate
+    path = tmp_path / "gw.yaml"
+    path.write_text(
+        f"listen: {{address: 127.0.0.1:8443, tls: {{cert: {cert}, key: {key}}}}}\nadmin_token_env: GW_ADMIN_TOKEN\n" + ROUTE
+    )
+    result = run_cli("check", "-c", str(path), env={"GW_ADMIN_TOKEN": TOKEN})
+    assert result.returncode == 0, result.stderr
+    assert "listen 127.0.0.1:8443 (TLS, TLSv1.2 or newer)" in result.stdout
+    assert "(bearer token)" in result.stdout
+    assert TOKEN not in result.stdout + result.stderr
 
 
 def _version(text: str) -> tuple[int, ...]:

@@ -128,8 +128,10 @@ async def test_the_admin_listener_carries_no_server_banner(gw):
         assert "Server" not in response.headers
 
 
-async def test_an_http_2_request_line_over_http_1_gets_505(gw, client):
-    request = b"GET /echo HTTP/2.0\r\nHost: gw\r\nConnection: close\r\n\r\n"
+@pytest.mark.parametrize("version", ["2.0", "0.9"])
+async def test_an_http_2_request_line_over_http_1_gets_505(gw, version):
+    # llhttp reads these two versions; others (1.2, 3.0) it refuses itself with a 400.
+    request = f"GET /echo HTTP/{version}\r\nHost: gw\r\nConnection: close\r\n\r\n".encode()
     target = gw.url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(target[0], int(target[1]))
     try:
