@@ -17,11 +17,13 @@ import ssl
 import aiohttp
 import pytest
 import trustme
+from aiohttp import web
 
 from gateway.config import ConfigError, parse_config
 from gateway.proxy.protocol import request_parser
 from gateway.testing import config_from_yaml, running_gateway
 from tests.processes import GatewayProcess, run_cli
+from tests.test_proxy import raw_exchange
 
 ROUTE = "routes:\n  - match: {path: /}\n    upstream: http://127.0.0.1:9000\n"
 TOKEN = "adm1n-t0ken-5f0c2e9a"
@@ -35,6 +37,34 @@ def test_the_admin_listener_binds_to_loopback_by_default():
     config = parse(ROUTE)
     assert (config.admin_listen.host, config.admin_listen.port) == ("127.0.0.1", 9090)
     assert config.admin_token is None
+
+
+# --- never a tunnel -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["/api/x", "http://gw/api/x", "gw:443"])
+async def test_connect_is_refused_whatever_its_target_form(target):
+    """A CONNECT with an origin-form target used to be forwarded: the upstream's 2xx then
+    turned the connection into a tunnel, and whatever followed went through unparsed."""
+    seen: list[str] = []
+
+    async def ok(request: web.BaseRequest) -> web.Response:
+        seen.append(request.method)
+        return web.Response(text="ok")
+
+    runner = web.ServerRunner(web.Server(ok), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    config = f"routes:\n  - match: {{path: /}}\n    upstream: http://127.0.0.1:{runner.addresses[0][1]}\n"
+    try:
+        async with running_gateway(config) as gw:
+            request = f"CONNECT {target} HTTP/1.1\r\nHost: gw\r\n\r\nGET /api/after HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n"
+            status, headers, body = await raw_exchange(gw.url, request.encode())
+    finally:
+        await runner.cleanup()
+    assert status == 400, body
+    assert json.loads(body)["status"] == 400
+    assert "CONNECT" not in seen
 
 
 # --- the admin bearer token ------------------------------------------------------------

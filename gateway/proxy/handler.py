@@ -84,9 +84,12 @@ class ProxyHandler:
                     return response
             raw_path = _raw_path(request)
             if raw_path is None:
-                # Authority-form (CONNECT host:port) and asterisk-form (OPTIONS *) targets
-                # name no resource of ours: this is a reverse proxy, never a tunnel.
+                # CONNECT (whatever its target) and asterisk-form (OPTIONS *) targets name no
+                # resource of ours: this is a reverse proxy, never a tunnel. What follows a
+                # CONNECT was meant as tunnel data, so the connection closes rather than
+                # reading it as requests.
                 response = problem(400, "Bad Request", "Only origin-form request targets such as /path are served.")
+                response.force_close()
                 return response
             try:
                 path = normalize_path(raw_path, plans.path_rule)
@@ -237,12 +240,13 @@ def _rejection(plan: RoutePlan, decision: Decision, limit_headers: dict[str, str
 
 
 def _raw_path(request: web.BaseRequest) -> str | None:
-    """The path of the request target exactly as received, or None for a target that is not a path."""
+    """The path of the request target exactly as received, or None for a target that is not a
+    path, and for any CONNECT."""
+    if request.method == "CONNECT":
+        return None  # forwarded, an upstream's 2xx would make the connection a tunnel
     target = request.raw_path  # the whole request target, as the parser read it
     if target[:1] == "/":
         return target.partition("?")[0]  # a "#" stays in, and is refused as no path character
-    if request.method == "CONNECT":
-        return None
     # Absolute-form: yarl has split the path off as received; an empty one means "/" (RFC 9112 §3.2.2).
     raw_path = request.rel_url.raw_path or "/"
     return raw_path if raw_path[:1] == "/" else None
