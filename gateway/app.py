@@ -12,8 +12,9 @@ from gateway.config.model import GatewayConfig
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.store import StoreError
 from gateway.limiter.store_factory import make_store
-from gateway.metrics import Metrics, breaker_gauge_setter
+from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics, breaker_gauge_setter
 from gateway.proxy.handler import ProxyHandler
+from gateway.proxy.protocol import PublicServer
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,12 @@ class Gateway:
         answer and is counted. An Application would first run its router, which for an app
         without routes builds and discards a 404 and rebuilds the middleware chain on every
         request, costing more than the rest of the gateway's own work on it. `kwargs` go to
-        aiohttp's RequestHandler: access_log, access_log_class."""
-        return web.Server(self.handler.handle, **kwargs)
+        aiohttp's RequestHandler: access_log, access_log_class. PublicServer answers what the
+        parser refuses as problem+json and writes no Server banner."""
+        # A request the parser refused has no method to trust: it is counted as OTHER, and
+        # bound on first use like every other child, so /metrics shows it once it happens.
+        refused = Children(self.metrics.requests, route=UNMATCHED_ROUTE, method="OTHER", status_class="4xx")
+        return PublicServer(self.handler.handle, refused=lambda: refused().inc(), **kwargs)
 
     async def start(self) -> None:
         try:
