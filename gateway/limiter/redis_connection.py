@@ -30,7 +30,7 @@ import logging
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -76,7 +76,7 @@ class RedisAddress:
     unix_path: str = ""
     tls: ssl.SSLContext | None = None
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)  # never in a log line
     db: int = 0
 
     def __str__(self) -> str:
