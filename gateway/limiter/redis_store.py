@@ -83,6 +83,7 @@ class RedisStore:
             )
         else:
             self._redis = OneNode(config, connect_timeout=connect_timeout)
+            self._execute_on_one = self._redis.connection.execute
 
     async def start(self) -> None:
         await self._redis.connect()
@@ -105,10 +106,16 @@ class RedisStore:
         for attempt in range(2):
             keys = self._keys(checks)
             try:
-                if self._cluster is None:
-                    decision = _decision(await self._call(self._script, self._sha, 0, keys, self._args(checks)))
-                else:
+                if self._cluster is not None:
                     decision = await self._check_slots(checks, keys)
+                    break
+                # One Redis: the common case, with no slot to route by.
+                args = self._args(checks)
+                try:
+                    reply = await self._execute_on_one(b"EVALSHA", self._sha, len(keys), *keys, *args)
+                except RedisReplyError as exc:
+                    reply = await self._after_error(exc, self._script, 0, keys, args)
+                decision = _decision(reply)
                 break
             except _SecretChanged:  # the keys were hashed with the secret of before an empty restart
                 if attempt:
@@ -173,8 +180,14 @@ class RedisStore:
         try:
             return await self._redis.execute(slot, b"EVALSHA", sha, len(keys), *keys, *args)
         except RedisReplyError as exc:
-            if not exc.reply.startswith("NOSCRIPT"):
-                raise
+            return await self._after_error(exc, script, slot, keys, args)
+
+    async def _after_error(
+        self, exc: RedisReplyError, script: bytes, slot: int, keys: Sequence[str], args: Sequence[bytes]
+    ) -> object:
+        """EVAL after a NOSCRIPT reply to EVALSHA; any other error reply is raised."""
+        if not exc.reply.startswith("NOSCRIPT"):
+            raise exc
         # The script cache is empty after a restart, a failover or SCRIPT FLUSH, and
         # a restart also lost the identity secret: offer ours again before another
         # gateway picks a new one. NOSCRIPT means nothing ran, so sending the
@@ -302,7 +315,7 @@ class OneNode:
             resolve: Callable[[], Awaitable[RedisAddress]] | None = master
         else:
             address, resolve = parse_redis_url(config.url, tls_ca_file=config.tls_ca_file), None
-        self._connection = RedisConnection(
+        self.connection = RedisConnection(
             address,
             timeout=config.timeout,
             connect_timeout=connect_timeout,
@@ -311,18 +324,18 @@ class OneNode:
         )
 
     async def connect(self) -> None:
-        await self._connection.connect()
+        await self.connection.connect()
 
     async def ping(self) -> None:
         # The readiness probe connects at once, without waiting for the reconnect backoff.
-        await self._connection.connect()
-        await self._connection.execute("PING", timeout=max(self._connection.timeout, 0.25))
+        await self.connection.connect()
+        await self.connection.execute("PING", timeout=max(self.connection.timeout, 0.25))
 
     def execute(self, slot: int, *args: object, timeout: float | None = None) -> Awaitable[object]:
-        return self._connection.execute(*args, timeout=timeout)
+        return self.connection.execute(*args, timeout=timeout)
 
     async def on_every_master(self, *args: object, timeout: float) -> None:
-        await self._connection.execute(*args, timeout=timeout)
+        await self.connection.execute(*args, timeout=timeout)
 
     async def close(self) -> None:
-        await self._connection.close()
+        await self.connection.close()
