@@ -72,6 +72,10 @@ BEFORE, FAULT, AFTER = 1.0, 1.5, 1.5  # seconds of load before, during and after
 # Isolated store timeouts a healthy Redis shows on this shared machine, where other
 # real-time processes may hold both cores for a moment: at most 1 in 200 checks.
 NOISE = 0.005
+# Before the fault, the load only has to show a healthy store. One stall of the shared
+# machine fails every check in flight at once (a 35 ms stall failed 7 of 200 in one
+# run while another suite ran), so this sanity check allows one such burst.
+HEALTHY_BEFORE = 0.05
 FOREGROUND_PRIORITY = 5  # SCHED_FIFO; Redis and the proxy run at 10
 
 CONFIG = """
@@ -344,7 +348,7 @@ async def test_fault(fault: Fault, upstream):
     statuses = collections.Counter((a.route, a.status) for a in answers)
     assert {status for route, status in statuses if route != "/closed"} == {200}, statuses
     assert {status for route, status in statuses if route == "/closed"} <= {200, 503}, statuses
-    assert undecided(before) <= NOISE * len(before), f"{undecided(before)} checks failed before the fault"
+    assert undecided(before) <= HEALTHY_BEFORE * len(before), f"{undecided(before)} checks failed before the fault"
     if fault.fails_checks:
         assert failed > NOISE * len(limited), f"the fault made only {failed} checks fail"
         assert breaker in (["open"], ["half_open"]), f"the breaker was {breaker} at the end of the fault"
