@@ -38,8 +38,12 @@ class Gateway:
         answer and is counted. An Application would first run its router, which for an app
         without routes builds and discards a 404 and rebuilds the middleware chain on every
         request, costing more than the rest of the gateway's own work on it. `kwargs` go to
-        aiohttp's RequestHandler: access_log, access_log_class."""
-        return web.Server(self.handler.handle, **kwargs)
+        aiohttp's RequestHandler: access_log, access_log_class.
+
+        Request bodies are never inflated (`auto_decompress=False`): a gzip body is the
+        upstream's to decode, and inflating it while its Content-Length went on unchanged
+        cut or hung it there. It passes byte for byte, as responses do."""
+        return web.Server(self.handler.handle, auto_decompress=False, **kwargs)
 
     async def start(self) -> None:
         try:
