@@ -8,6 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.admin import admin_app
+from gateway.bounded_protocol import BoundedServer
 from gateway.config.model import GatewayConfig
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.store import StoreError
@@ -37,13 +38,14 @@ class Gateway:
         proxy handler whatever its target (CONNECT's authority form, `*`), so each gets our
         answer and is counted. An Application would first run its router, which for an app
         without routes builds and discards a 404 and rebuilds the middleware chain on every
-        request, costing more than the rest of the gateway's own work on it. `kwargs` go to
-        aiohttp's RequestHandler: access_log, access_log_class.
+        request, costing more than the rest of the gateway's own work on it. Each connection
+        is held to `config.clients` (gateway.bounded_protocol). `kwargs` go to aiohttp's
+        RequestHandler: access_log, access_log_class.
 
         Request bodies are never inflated (`auto_decompress=False`): a gzip body is the
         upstream's to decode, and inflating it while its Content-Length went on unchanged
         cut or hung it there. It passes byte for byte, as responses do."""
-        return web.Server(self.handler.handle, auto_decompress=False, **kwargs)
+        return BoundedServer(self.handler.handle, limits=self.config.clients, auto_decompress=False, **kwargs)
 
     async def start(self) -> None:
         try:
