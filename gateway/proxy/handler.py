@@ -19,6 +19,7 @@ from aiohttp.http import HttpVersion11
 from multidict import CIMultiDict
 from yarl import URL
 
+from gateway.bounded_protocol import ClientLimitExceeded
 from gateway.config.model import GatewayConfig
 from gateway.limiter.limiter import DENY, FAIL_CLOSED, FAIL_LOCAL, UNLIMITED, Decision, Limiter
 from gateway.limiter.store import LimitCheck
@@ -29,6 +30,7 @@ from gateway.proxy.paths import NormalPath, PathRejected, normalize_path
 from gateway.proxy.problem import problem, problem_response
 from gateway.proxy.ratelimit_headers import ratelimit_headers, retry_after_seconds
 from gateway.proxy.route_plan import Plans, RoutePlan, compile_plans
+from gateway.proxy.upstream_slots import UpstreamSlots
 from gateway.proxy.websocket import is_websocket_upgrade, proxy_websocket
 
 log = logging.getLogger(__name__)
@@ -36,8 +38,6 @@ log = logging.getLogger(__name__)
 # Big enough to keep syscalls few, small enough that many streams stay within a
 # modest RSS: 1000 concurrent streams hold at most ~64 MB of chunks.
 STREAM_CHUNK_BYTES = 64 * 1024
-# Connections kept per upstream; aiohttp's default of 100 queues the rest.
-UPSTREAM_CONNECTION_LIMIT = 1000
 _RETRY_AFTER_ONE = {"Retry-After": "1"}  # shared safely: a Response copies the headers it is given
 
 
@@ -48,12 +48,16 @@ class ProxyHandler:
         self._limiter = limiter
         self._metrics = metrics
         self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._connections = config.upstream_connections
+        self._slots = {upstream: UpstreamSlots(self._connections) for upstream in self._plans.upstreams}
         self._in_flight = 0  # requests in handle() now, this one included
 
     async def start(self) -> None:
         for upstream in self._plans.upstreams:
             self._sessions[upstream] = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=UPSTREAM_CONNECTION_LIMIT, ttl_dns_cache=60),
+                # Requests wait for a slot in UpstreamSlots, boundedly; the connector's own
+                # limit, the same, only ever queues WebSockets, which hold no slot.
+                connector=aiohttp.TCPConnector(limit=self._connections, ttl_dns_cache=60),
                 auto_decompress=False,
                 cookie_jar=aiohttp.DummyCookieJar(),
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
@@ -102,6 +106,9 @@ class ProxyHandler:
                 self._metrics.shed.inc()
                 response = problem_response(503, plans.shed, headers=_RETRY_AFTER_ONE)
                 return response
+            if plan.max_body_size is not None and (request.content_length or 0) > plan.max_body_size:
+                response = _body_too_large(plan)  # the declared length says so: nothing is read or charged
+                return response
             response = await self._limited(request, plan, plans, path)
             return response
         finally:
@@ -123,7 +130,23 @@ class ProxyHandler:
         headers = _forward_headers(request, plan, plans)
         if is_websocket_upgrade(request):
             return await proxy_websocket(request, self._sessions[plan.upstream], url, headers, limit_headers)
-        return await self._forward(request, plan, url, headers, limit_headers)
+        body: aiohttp.StreamReader | bytes | None = request.content if request.body_exists else None
+        if body is not None and plan.max_body_size is not None and request.content_length is None:
+            # A chunked body declares no length: it is read whole, up to the cap, before the
+            # upstream is contacted, so a body over the cap never reaches it.
+            try:
+                body = await _read_capped(request.content, plan.max_body_size)
+            except ClientLimitExceeded as exc:
+                return exc.response()
+            if body is None:
+                return _body_too_large(plan, limit_headers)
+        slots = self._slots[plan.upstream]
+        if not slots.try_take() and not await slots.take(plan.queue_timeout):
+            return problem_response(503, plan.queue_full, headers={**limit_headers, **_RETRY_AFTER_ONE})
+        try:
+            return await self._forward(request, plan, url, headers, limit_headers, body)
+        finally:
+            slots.give_back()
 
     async def _decide(self, request: web.BaseRequest, plan: RoutePlan, identity: ClientIdentity) -> Decision:
         if not plan.limits:
@@ -147,6 +170,7 @@ class ProxyHandler:
         url: URL,
         headers: CIMultiDict[str],
         limit_headers: dict[str, str],
+        body: aiohttp.StreamReader | bytes | None,
     ) -> web.StreamResponse:
         session = self._sessions[plan.upstream]
         sent = time.perf_counter()
@@ -155,7 +179,7 @@ class ProxyHandler:
                 request.method,
                 url,
                 headers=headers,
-                data=request.content if request.body_exists else None,
+                data=body,
                 allow_redirects=False,
                 timeout=plan.timeout,
                 compress=None,
@@ -187,12 +211,18 @@ class ProxyHandler:
                 return response
         # Every response on a limited route carries the RateLimit fields, errors included.
         except asyncio.TimeoutError:
+            stalled = request.content.exception()
+            if isinstance(stalled, ClientLimitExceeded):
+                return stalled.response()
             return problem_response(504, plan.upstream_timeout, headers=limit_headers)
         except aiohttp.ClientConnectorError as exc:
             return problem(
                 502, "Bad Gateway", f"Cannot connect to the upstream: {exc.os_error.strerror or exc}.", headers=limit_headers
             )
         except aiohttp.ClientError as exc:
+            stalled = request.content.exception()
+            if isinstance(stalled, ClientLimitExceeded):
+                return stalled.response()  # the client's body stalled (client_body_timeout), not the upstream
             return problem(502, "Bad Gateway", f"The upstream failed: {type(exc).__name__}.", headers=limit_headers)
 
 
@@ -218,6 +248,26 @@ async def _expectation(request: web.BaseRequest) -> web.Response | None:
     request.writer.output_size = 0  # the interim response is not part of the response's size
     await request.writer.drain()
     return None
+
+
+def _body_too_large(plan: RoutePlan, headers: dict[str, str] | None = None) -> web.Response:
+    response = problem_response(413, plan.body_too_large, headers=headers)
+    response.force_close()  # the rest of the body is never read
+    return response
+
+
+async def _read_capped(content: aiohttp.StreamReader, cap: int) -> bytes | None:
+    """The whole body, or None once it passes `cap` bytes."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await content.readany()
+        if not chunk:
+            return b"".join(parts)
+        size += len(chunk)
+        if size > cap:
+            return None
+        parts.append(chunk)
 
 
 def _rejection(plan: RoutePlan, decision: Decision, limit_headers: dict[str, str]) -> web.Response:
