@@ -98,6 +98,7 @@ class BoundedRequestHandler(RequestHandler):
         "_body",
         "_body_read_at",
         "_watchdog",
+        "_watch_at",
         "_refused",
     )
 
@@ -110,7 +111,8 @@ class BoundedRequestHandler(RequestHandler):
         self._body: Any = None  # the payload of the last request parsed
         self._body_read_at = 0.0
         self._watchdog: asyncio.TimerHandle | None = None
-        self._refused = False  # an error is queued as the last answer; further bytes are ignored
+        self._watch_at = 0.0  # when the watchdog fires
+        self._refused = False  # the last request is queued (an error, or the keepalive_requests-th): no new head is read
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -124,14 +126,14 @@ class BoundedRequestHandler(RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
-            return
         if self._upgraded or self._payload_parser is not None:
             super().data_received(data)  # a WebSocket: no longer HTTP requests
             return
         body = self._body
         in_head = body is None or body.is_eof()
         if in_head:
+            if self._refused:
+                return  # no further request is read; the body of the last one still is
             if not self._head_since:
                 self._head_since = self._loop.time()
                 self._watch_by(self._head_since + self._limits.header_timeout)
@@ -153,6 +155,10 @@ class BoundedRequestHandler(RequestHandler):
         """One or more requests were parsed from the read `data`."""
         messages = self._messages
         new = self._request_count - count
+        if self._refused:
+            for _ in range(new):
+                messages.pop()  # pipelined behind the last request this connection takes
+            return
         first = len(messages) - new
         if new > 1 or not in_head or self._unmeasured or self._head_bytes > self._limits.max_header_size:
             # The read count is no exact size for these heads: sum them (rare, see the docstring).
@@ -216,25 +222,26 @@ class BoundedRequestHandler(RequestHandler):
 
     def _watch_until(self, when: float) -> None:
         self._watchdog = self._loop.call_at(when, self._watch)
+        self._watch_at = when
 
     def _watch_by(self, when: float) -> None:
-        """Have the timer look at the connection by `when`; one set later is rarely moved, since
-        the two timeouts are usually alike and a timer that fires early only looks again."""
+        """Have the timer look at the connection by `when`. A timer already due sooner stays:
+        it only looks again when it fires, so a busy connection arms one every timeout at most."""
         watchdog = self._watchdog
         if watchdog is None:
-            self._watchdog = self._loop.call_at(when, self._watch)
-        elif watchdog.when() > when:
+            self._watch_until(when)
+        elif self._watch_at > when:
             watchdog.cancel()
-            self._watchdog = self._loop.call_at(when, self._watch)
+            self._watch_until(when)
 
     def _watch(self) -> None:
         """The connection's one timer: is a head or a body overdue? Re-armed only while one is due."""
         self._watchdog = None
-        if self.transport is None or self._force_close or self._refused:
+        if self.transport is None or self._force_close:
             return
         now = self._loop.time()
         limits = self._limits
-        if self._head_since:
+        if self._head_since and not self._refused:
             due = self._head_since + limits.header_timeout
             if now < due or self._request_in_progress or self._messages:
                 # Early, or a pipelined head behind a request still being answered.

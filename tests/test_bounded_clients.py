@@ -465,3 +465,19 @@ async def test_keepalive_requests_counts_requests_sent_one_at_a_time(counting_up
     assert status == 200
     assert headers["connection"].lower() == "close"
     assert counter.requests == 2
+
+
+async def test_the_last_request_a_connection_takes_still_gets_its_whole_body(counting_upstream):
+    counter, url = counting_upstream
+    post = b"POST /upload HTTP/1.1\r\nHost: gateway.test\r\nContent-Length: 10\r\n\r\n"
+    async with running_gateway(_config(url, "keepalive_requests: 1")) as gw:
+        async with _connection(gw.url) as (reader, writer):
+            writer.write(post + b"01234")
+            await eventually(lambda: counter.requests == 1, what="the upstream to be sent the request")
+            writer.write(b"56789" + GET)  # the rest of the body, in a later read, and a request past the cap
+            data, _ = await _read_until_closed(reader, SLACK * 2)
+    ((status, headers, body),) = _responses(data)
+    assert status == 200
+    assert json.loads(body)["body"] == "0123456789"
+    assert headers["connection"].lower() == "close"
+    assert counter.requests == 1
