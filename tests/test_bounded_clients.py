@@ -324,7 +324,7 @@ routes:
             assert (await other_route())[0] == 200
 
 
-async def test_the_queue_503_is_problem_json_with_retry_after(upstream, client):
+async def test_the_queue_503_is_problem_json_with_retry_after_and_comes_at_timeout_queue(upstream, client):
     config = f"""
 upstream_connections: 1
 routes:
@@ -335,34 +335,28 @@ routes:
     async with running_gateway(config) as gw:
         held = asyncio.ensure_future(client.get(gw.url + "/held"))
         try:
-            async with aiohttp.ClientSession() as other:
 
-                async def refused() -> bool:
-                    async with other.get(gw.url + "/held/arrived") as response:
-                        if response.status != 503:
-                            return False
-                        assert response.headers["Retry-After"] == "1"
-                        assert response.content_type == "application/problem+json"
-                        assert "0.2 s" in (await response.json())["detail"]
-                        return True
+            async def arrived() -> bool:  # asked of the upstream itself: the gateway's one slot is taken
+                async with client.get(upstream + "/held/arrived") as response:
+                    return (await response.json())["arrived"] == 1
 
-                await eventually(refused, what="the held request to take the one upstream connection")
-                await other.post(gw.url + "/held/release")  # fails with 503 too: released below
+            await eventually(arrived, what="the held request to take the one upstream connection")
+            started = time.monotonic()
+            async with client.get(gw.url + "/echo") as response:
+                elapsed = time.monotonic() - started
+                assert response.status == 503
+                assert response.headers["Retry-After"] == "1"
+                assert response.content_type == "application/problem+json"
+                assert "0.2 s" in (await response.json())["detail"]
+            assert 0.15 <= elapsed < 0.2 + SLACK
         finally:
-            async with running_release(upstream):
-                pass
+            async with client.post(upstream + "/held/release") as response:
+                assert response.status == 200
             response = await held
             assert response.status == 200
             response.release()
-
-
-@contextlib.asynccontextmanager
-async def running_release(upstream: str):
-    """Release /held on the upstream directly, past the gateway whose one slot it holds."""
-    async with aiohttp.ClientSession() as session:
-        async with session.post(upstream + "/held/release") as response:
-            assert response.status == 200
-        yield
+        async with client.get(gw.url + "/echo") as response:
+            assert response.status == 200  # the slot came back
 
 
 # --- max_body_size ---------------------------------------------------------------
