@@ -134,7 +134,9 @@ class BoundedRequestHandler(RequestHandler):
         if in_head:
             if self._refused:
                 return  # no further request is read; the body of the last one still is
-            if not self._head_since:
+            if not data:
+                pass  # aiohttp resuming requests it parsed earlier: no byte arrived
+            elif not self._head_since:
                 self._head_since = self._loop.time()
                 self._watch_by(self._head_since + self._limits.header_timeout)
             self._head_bytes += len(data)
@@ -246,7 +248,7 @@ class BoundedRequestHandler(RequestHandler):
             if now < due or self._request_in_progress or self._messages:
                 # Early, or a pipelined head behind a request still being answered.
                 self._watch_until(max(due, now + limits.header_timeout))
-            elif self._head_bytes or self._request_count:
+            elif self._head_bytes:
                 self._refuse(
                     ClientLimitExceeded(
                         408, "Request Timeout", f"The request head did not arrive within {limits.header_timeout:g} s."

@@ -282,25 +282,53 @@ async def test_the_body_timeout_is_measured_between_reads_not_over_the_whole_bod
 # --- a bounded wait for an upstream connection -------------------------------------
 
 
-async def test_slow_bodies_holding_every_upstream_connection_leave_other_routes_a_503_then_time_out(upstream):
-    """The issue's 1,000 slow chunked POSTs against 1,000 upstream connections, as 2 against 2:
-    another route on that upstream answers 503 within timeout.queue instead of hanging, and
-    once client_body_timeout ends the slow bodies, it is served again."""
-    top = "upstream_connections: 2\nclient_body_timeout: 1500ms"
-    config = f"""
+SLOW_CHUNKED = b"POST /sink HTTP/1.1\r\nHost: gateway.test\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def _two_routes(upstream: str, top: str) -> str:
+    return f"""
 {top}
 routes:
   - match: {{path: /sink}}
     upstream: {upstream}
-  - match: {{path: /echo}}
+  - match: {{path: /}}
     upstream: {upstream}
     timeout: {{queue: 300ms}}
 """
-    slow = b"POST /sink HTTP/1.1\r\nHost: gateway.test\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nx\r\n"
+
+
+async def test_slow_bodies_hold_no_upstream_connection_while_they_trickle(counting_upstream):
+    """The issue's 1,000 chunked POSTs at one byte every 5 s took all 1,000 upstream connections.
+    Here 4 such bodies against 2 connections: a body still arriving is read ahead before an
+    upstream connection is taken, so the upstream never hears of them, and another route on
+    it answers at once. A slow body that does end is forwarded whole."""
+    counter, url = counting_upstream
+    async with running_gateway(_two_routes(url, "upstream_connections: 2")) as gw:
+        async with contextlib.AsyncExitStack() as stack:
+            slow = [await stack.enter_async_context(_connection(gw.url)) for _ in range(4)]
+            for _, writer in slow:
+                writer.write(SLOW_CHUNKED + b"1\r\nx\r\n")
+            async with aiohttp.ClientSession() as client:
+                for _ in range(5):
+                    async with client.get(gw.url + "/other", timeout=aiohttp.ClientTimeout(total=SLACK)) as response:
+                        assert response.status == 200
+            assert counter.requests == 5  # the slow bodies have not reached the upstream
+            reader, writer = slow[0]
+            writer.write(b"2\r\nyz\r\n0\r\n\r\n")
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            assert json.loads(await reader.readuntil(b"}"))["body"] == "xyz"
+
+
+async def test_large_slow_bodies_holding_every_upstream_connection_leave_a_503_then_time_out(upstream):
+    """Bodies past the read ahead (64 KiB) stream, holding a connection while they do: another
+    route on that upstream then answers 503 within timeout.queue instead of hanging, and once
+    client_body_timeout ends the stalled bodies, it is served again."""
+    config = _two_routes(upstream, "upstream_connections: 2\nclient_body_timeout: 1500ms")
+    piece = b"%x\r\n" % 70000 + b"x" * 70000 + b"\r\n"
     async with running_gateway(config) as gw, aiohttp.ClientSession() as client:
         async with _connection(gw.url) as (r1, w1), _connection(gw.url) as (r2, w2):
-            w1.write(slow)
-            w2.write(slow)
+            w1.write(SLOW_CHUNKED + piece)
+            w2.write(SLOW_CHUNKED + piece)
 
             async def other_route() -> tuple[int, float]:
                 started = time.monotonic()
@@ -315,9 +343,8 @@ routes:
                 return results[-1][0] == 503
 
             await eventually(refused, what="the slow bodies to hold both upstream connections", deadline=1.2)
-            status, elapsed = results[-1]
-            assert elapsed < 0.3 + SLACK
-            # The slow bodies end at client_body_timeout with 408; the upstream is free again.
+            assert results[-1][1] < 0.3 + SLACK
+            # The stalled bodies end at client_body_timeout with 408; the upstream is free again.
             for reader in (r1, r2):
                 data, _ = await _read_until_closed(reader, 1.5 + SLACK)
                 _problem(_responses(data)[0], 408)
@@ -463,15 +490,16 @@ async def test_keepalive_requests_counts_requests_sent_one_at_a_time(counting_up
 
 async def test_the_last_request_a_connection_takes_still_gets_its_whole_body(counting_upstream):
     counter, url = counting_upstream
-    post = b"POST /upload HTTP/1.1\r\nHost: gateway.test\r\nContent-Length: 10\r\n\r\n"
+    body = bytes(range(256)) * 400  # 100 KiB: past the 64 KiB read ahead, so the upstream is sent it streaming
+    post = b"POST /upload HTTP/1.1\r\nHost: gateway.test\r\nContent-Length: %d\r\n\r\n" % len(body)
     async with running_gateway(_config(url, "keepalive_requests: 1")) as gw:
         async with _connection(gw.url) as (reader, writer):
-            writer.write(post + b"01234")
+            writer.write(post + body[:80000])
             await eventually(lambda: counter.requests == 1, what="the upstream to be sent the request")
-            writer.write(b"56789" + GET)  # the rest of the body, in a later read, and a request past the cap
+            writer.write(body[80000:] + GET)  # the rest of the body, in a later read, and a request past the cap
             data, _ = await _read_until_closed(reader, SLACK * 2)
-    ((status, headers, body),) = _responses(data)
+    ((status, headers, answer),) = _responses(data)
     assert status == 200
-    assert json.loads(body)["body"] == "0123456789"
+    assert json.loads(answer)["body"].encode("latin-1") == body
     assert headers["connection"].lower() == "close"
     assert counter.requests == 1

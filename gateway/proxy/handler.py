@@ -3,8 +3,12 @@
 Knows nothing of Redis: it asks `Limiter.check` for a decision. Trusts the
 config; trusts nothing in the request. The upstream contacted always comes
 from the matched route, never from the request target or the Host header.
-Bodies stream both ways in chunks and are never held whole. aiohttp client
-errors are translated here: a refused or failed upstream is 502, a slow one 504.
+Bodies stream both ways in chunks and are never held whole, except that a
+request body still arriving is read ahead up to 64 KiB (a chunked one up to the
+route's max_body_size) before an upstream connection is taken, so a client that
+trickles its body holds none. aiohttp client errors are translated here: a
+refused or failed upstream is 502, a slow one 504; no free upstream connection
+within timeout.queue is 503.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
@@ -35,9 +40,16 @@ from gateway.proxy.websocket import is_websocket_upgrade, proxy_websocket
 
 log = logging.getLogger(__name__)
 
+# A request body as forwarded: as it streams, whole, or read ahead and then streaming.
+_Body = aiohttp.StreamReader | bytes | AsyncIterator[bytes] | None
+
 # Big enough to keep syscalls few, small enough that many streams stay within a
 # modest RSS: 1000 concurrent streams hold at most ~64 MB of chunks.
 STREAM_CHUNK_BYTES = 64 * 1024
+# A request body still arriving is read ahead up to this before an upstream connection is
+# taken (nginx buffers request bodies too, 16 KiB in memory); larger bodies then stream.
+# 1,000 requests reading ahead hold at most ~64 MB.
+REQUEST_BUFFER_BYTES = 64 * 1024
 _RETRY_AFTER_ONE = {"Retry-After": "1"}  # shared safely: a Response copies the headers it is given
 
 
@@ -130,16 +142,23 @@ class ProxyHandler:
         headers = _forward_headers(request, plan, plans)
         if is_websocket_upgrade(request):
             return await proxy_websocket(request, self._sessions[plan.upstream], url, headers, limit_headers)
-        body: aiohttp.StreamReader | bytes | None = request.content if request.body_exists else None
-        if body is not None and plan.max_body_size is not None and request.content_length is None:
-            # A chunked body declares no length: it is read whole, up to the cap, before the
-            # upstream is contacted, so a body over the cap never reaches it.
-            try:
-                body = await _read_capped(request.content, plan.max_body_size)
-            except ClientLimitExceeded as exc:
-                return exc.response()
-            if body is None:
-                return _body_too_large(plan, limit_headers)
+        body: _Body = request.content if request.body_exists else None
+        try:
+            if body is not None and plan.max_body_size is not None and request.content_length is None:
+                # A chunked body declares no length: it is read whole, up to the cap,
+                # so a body over the cap never reaches the upstream.
+                body = await _read_ahead(request.content, plan.max_body_size, cap=True)
+                if body is None:
+                    return _body_too_large(plan, limit_headers)
+            elif body is not None and not request.content.is_eof():
+                # The body is still arriving: read it ahead before an upstream connection is
+                # taken, so a client that trickles it holds none (issue 8 §3). A body that
+                # arrived with its head, as most do, skips this.
+                body = await _read_ahead(request.content, REQUEST_BUFFER_BYTES, cap=False)
+        except ClientLimitExceeded as exc:
+            return exc.response()  # client_body_timeout
+        except ConnectionError:
+            return problem(400, "Bad Request", "The connection closed before the request body ended.")
         slots = self._slots[plan.upstream]
         if not slots.try_take() and not await slots.take(plan.queue_timeout):
             return problem_response(503, plan.queue_full, headers={**limit_headers, **_RETRY_AFTER_ONE})
@@ -170,7 +189,7 @@ class ProxyHandler:
         url: URL,
         headers: CIMultiDict[str],
         limit_headers: dict[str, str],
-        body: aiohttp.StreamReader | bytes | None,
+        body: _Body,
     ) -> web.StreamResponse:
         session = self._sessions[plan.upstream]
         sent = time.perf_counter()
@@ -256,18 +275,27 @@ def _body_too_large(plan: RoutePlan, headers: dict[str, str] | None = None) -> w
     return response
 
 
-async def _read_capped(content: aiohttp.StreamReader, cap: int) -> bytes | None:
-    """The whole body, or None once it passes `cap` bytes."""
+async def _read_ahead(content: aiohttp.StreamReader, limit: int, *, cap: bool) -> _Body:
+    """Read the body until it ends or passes `limit` bytes. A body that ended is returned
+    whole. Past the limit: None with `cap` (a body too large), or else the bytes read so far
+    followed by the rest as it streams in."""
     parts: list[bytes] = []
     size = 0
-    while True:
+    while size <= limit:
         chunk = await content.readany()
         if not chunk:
             return b"".join(parts)
         size += len(chunk)
-        if size > cap:
-            return None
         parts.append(chunk)
+    return None if cap else _stream_on(parts, content)
+
+
+async def _stream_on(parts: list[bytes], content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    for part in parts:
+        yield part
+    parts.clear()
+    async for chunk in content.iter_chunked(STREAM_CHUNK_BYTES):
+        yield chunk
 
 
 def _rejection(plan: RoutePlan, decision: Decision, limit_headers: dict[str, str]) -> web.Response:
