@@ -78,17 +78,6 @@ def head_size(message: RawRequestMessage) -> int:
     return size
 
 
-class BoundedServer(web.Server):
-    """aiohttp's low-level server, with a BoundedRequestHandler for each connection."""
-
-    def __init__(self, handler: Any, *, limits: ClientLimits, **kwargs: Any) -> None:
-        super().__init__(handler, **kwargs)
-        self._limits = limits
-
-    def __call__(self) -> BoundedRequestHandler:
-        return BoundedRequestHandler(self, loop=self._loop, limits=self._limits, **self._kwargs)
-
-
 class BoundedRequestHandler(RequestHandler):
     __slots__ = (
         "_limits",
@@ -274,3 +263,17 @@ class BoundedRequestHandler(RequestHandler):
                     408, "Request Timeout", f"The request body stalled: no byte arrived for {limits.body_timeout:g} s."
                 )
             )
+
+
+class BoundedServer(web.Server):
+    """aiohttp's low-level server, with a `handler_class` (a BoundedRequestHandler) for each
+    connection; a subclass that speaks differently sets its own subclass of it there."""
+
+    handler_class: type[BoundedRequestHandler] = BoundedRequestHandler
+
+    def __init__(self, handler: Any, *, limits: ClientLimits, **kwargs: Any) -> None:
+        super().__init__(handler, **kwargs)
+        self._limits = limits
+
+    def __call__(self) -> BoundedRequestHandler:
+        return self.handler_class(self, loop=self._loop, limits=self._limits, **self._kwargs)
