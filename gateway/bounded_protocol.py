@@ -70,6 +70,13 @@ class ClientLimitExceeded(Exception):
         return response
 
 
+class BodyStalled(ClientLimitExceeded, TimeoutError):
+    """client_body_timeout, set on the request body so that whoever reads it next stops.
+    A TimeoutError, because that is what aiohttp expects of a body read: its client passes
+    it on as it is rather than as a connection error, and the server's lingering read of a
+    body left unread after the answer closes the connection on it quietly."""
+
+
 def head_size(message: RawRequestMessage) -> int:
     """The bytes of a request's head as sent, near enough: its request line and header lines."""
     size = _REQUEST_LINE_FRAMING + len(message.method) + len(message.path) + 2
@@ -259,9 +266,7 @@ class BoundedRequestHandler(RequestHandler):
             self._watch_until(due)
         else:
             body.set_exception(
-                ClientLimitExceeded(
-                    408, "Request Timeout", f"The request body stalled: no byte arrived for {limits.body_timeout:g} s."
-                )
+                BodyStalled(408, "Request Timeout", f"The request body stalled: no byte arrived for {limits.body_timeout:g} s.")
             )
 
 
