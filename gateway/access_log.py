@@ -2,6 +2,10 @@
 
 The lines go to stdout and nothing else does, so `--access-log json` output is
 one JSON object per line; the gateway's own log stays on stderr.
+
+Query values are never written: API keys travel in them (`query:NAME` identities,
+`?token=`), and a log is read by more people than the keys are meant for. Each
+parameter keeps its name and its value becomes `***`.
 """
 
 from __future__ import annotations
@@ -16,12 +20,21 @@ from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web import BaseRequest, StreamResponse
 
 
+def redacted_target(request: BaseRequest) -> str:
+    """The request target as received, each query value (or bare item) replaced by `***`."""
+    path, question, query = request.raw_path.partition("?")
+    if not question:
+        return path
+    items = (item.partition("=") for item in query.split("&"))
+    return path + "?" + "&".join(name + "=***" if equals else "***" for name, equals, _ in items)
+
+
 def _fields(request: BaseRequest, response: StreamResponse, duration: float) -> dict[str, object]:
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "remote": request.remote,
         "method": request.method,
-        "path": request.rel_url.raw_path_qs,
+        "path": redacted_target(request),
         "status": response.status,
         "bytes": response.body_length,
         "duration_ms": round(duration * 1000, 3),

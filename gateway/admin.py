@@ -1,16 +1,23 @@
 """The admin listener: /metrics, /healthz and /readyz. Never served on the public listener.
 
-Trusts whoever can reach it; bind it to a private address (the default is 127.0.0.1:9090).
+Trusts whoever can reach it, unless `admin_token_env` names a bearer token: then
+/metrics and /readyz answer 401 without it, and the token is compared in constant
+time. /healthz says only that the process is alive and stays open to probes. Bind
+it to a private address (the default is 127.0.0.1:9090).
 """
 
 from __future__ import annotations
 
-from aiohttp import web
+import hmac
+from typing import Any
+
+from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.config.model import FailurePolicy, GatewayConfig
 from gateway.limiter.limiter import Limiter
 from gateway.metrics import Metrics
+from gateway.proxy.problem import problem
 
 
 def admin_app(config: GatewayConfig, limiter: Limiter, metrics: Metrics) -> web.Application:
@@ -36,8 +43,34 @@ def admin_app(config: GatewayConfig, limiter: Limiter, metrics: Metrics) -> web.
         body = generate_latest(metrics.exposition_registry())
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app = web.Application()
+    async def without_banner(_: web.Request, response: web.StreamResponse) -> None:
+        response.headers.popall(hdrs.SERVER, None)  # aiohttp's `Python/3.11 aiohttp/X.Y.Z`
+
+    middlewares = [_bearer_token(config.admin_token)] if config.admin_token else []
+    app = web.Application(middlewares=middlewares)
+    app.on_response_prepare.append(without_banner)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_endpoint)
     return app
+
+
+OPEN_PATHS = frozenset({"/healthz"})
+
+
+def _bearer_token(token: str) -> Any:
+    expected = b"Bearer " + token.encode()
+
+    @web.middleware
+    async def require_token(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path not in OPEN_PATHS:
+            given = request.headers.get(hdrs.AUTHORIZATION, "").encode("utf-8", "surrogateescape")
+            # compare_digest takes time that depends on the length only, never on where they differ.
+            if not hmac.compare_digest(given, expected):
+                return problem(
+                    401, "Unauthorized", "This path needs the admin bearer token.",
+                    headers={"WWW-Authenticate": 'Bearer realm="gateway-admin"'},
+                )
+        return await handler(request)
+
+    return require_token

@@ -8,13 +8,13 @@ from typing import Any
 from aiohttp import web
 
 from gateway.admin import admin_app
-from gateway.bounded_protocol import BoundedServer
 from gateway.config.model import GatewayConfig
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.store import StoreError
 from gateway.limiter.store_factory import make_store
-from gateway.metrics import Metrics, breaker_gauge_setter
+from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics, breaker_gauge_setter
 from gateway.proxy.handler import ProxyHandler
+from gateway.proxy.protocol import PublicServer
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +38,24 @@ class Gateway:
         proxy handler whatever its target (CONNECT's authority form, `*`), so each gets our
         answer and is counted. An Application would first run its router, which for an app
         without routes builds and discards a 404 and rebuilds the middleware chain on every
-        request, costing more than the rest of the gateway's own work on it. Each connection
-        is held to `config.clients` (gateway.bounded_protocol). `kwargs` go to aiohttp's
-        RequestHandler: access_log, access_log_class.
+        request, costing more than the rest of the gateway's own work on it. `kwargs` go to
+        aiohttp's RequestHandler: access_log, access_log_class. PublicServer answers what the
+        parser refuses as problem+json and writes no Server banner, and holds each connection
+        to `config.clients` (gateway.bounded_protocol).
 
         Request bodies are never inflated (`auto_decompress=False`): a gzip body is the
         upstream's to decode, and inflating it while its Content-Length went on unchanged
         cut or hung it there. It passes byte for byte, as responses do."""
-        return BoundedServer(self.handler.handle, limits=self.config.clients, auto_decompress=False, **kwargs)
+        # A request the parser refused has no method to trust: it is counted as OTHER, and
+        # bound on first use like every other child, so /metrics shows it once it happens.
+        refused = Children(self.metrics.requests, route=UNMATCHED_ROUTE, method="OTHER", status_class="4xx")
+        return PublicServer(
+            self.handler.handle,
+            limits=self.config.clients,
+            refused=lambda: refused().inc(),
+            auto_decompress=False,
+            **kwargs,
+        )
 
     async def start(self) -> None:
         try:

@@ -207,10 +207,14 @@ class BoundedRequestHandler(RequestHandler):
         if isinstance(error, ClientLimitExceeded):
 
             async def answer(_: web.BaseRequest) -> web.StreamResponse:
+                self.refused()
                 return error.response()
 
             return answer
         return super()._make_error_handler(err_info)
+
+    def refused(self) -> None:
+        """Called for each request refused before the proxy handler saw it: a place to count it."""
 
     def _process_keepalive(self) -> None:
         if self._head_since:

@@ -100,7 +100,8 @@ def describe(config: GatewayConfig) -> str:
     lines = [
         f"{config.source}: OK",
         (
-            f"listen {config.listen}, admin {config.admin_listen}, workers {config.workers}, "
+            f"listen {config.listen}{f' (TLS, {config.listen_tls.min_version} or newer)' if config.listen_tls else ''}, "
+            f"admin {config.admin_listen}{' (bearer token)' if config.admin_token else ''}, workers {config.workers}, "
             f"max in flight {config.max_in_flight} per worker, shutdown grace {config.shutdown_grace:g}s"
         ),
         f"store: {store}",

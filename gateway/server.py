@@ -19,7 +19,9 @@ from gateway import __version__
 from gateway.access_log import ACCESS_LOG_FORMATS, access_logger, enable_access_log
 from gateway.app import Gateway
 from gateway.config.model import GatewayConfig
+from gateway.config.tls import server_context
 from gateway.config.units import Address
+from gateway.proxy.protocol import request_parser
 
 log = logging.getLogger("gateway")
 
@@ -55,23 +57,29 @@ async def serve(config: GatewayConfig, *, access_log: str | None = None, workers
     await admin.setup()
     reuse = workers > 1  # every worker binds the same ports; the kernel spreads connections
     try:
-        for runner, address in ((public, config.listen), (admin, config.admin_listen)):
+        tls = server_context(config.listen_tls) if config.listen_tls else None
+        for runner, address, context in ((public, config.listen, tls), (admin, config.admin_listen, None)):
             try:
-                await web.TCPSite(runner, address.host, address.port, reuse_port=reuse).start()
+                await web.TCPSite(runner, address.host, address.port, reuse_port=reuse, ssl_context=context).start()
             except OSError as exc:
                 raise StartupError(f"cannot listen on {address}: {os_reason(exc)}") from None
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
+        parser = request_parser()
+        if parser != "llhttp":
+            log.warning("aiohttp parses requests in pure Python, not llhttp: install a compiled aiohttp wheel")
         log.info(
-            "gateway %s (pid %d) listening on http://%s (admin http://%s), store: %s, event loop: %s",
+            "gateway %s (pid %d) listening on %s://%s (admin http://%s), store: %s, event loop: %s, parser: %s",
             __version__,
             os.getpid(),
+            "https" if tls else "http",
             _bound(public),
             _bound(admin),
             gateway.store.description,
             _loop_name(loop),
+            parser,
         )
         await stop.wait()
         log.info("draining in-flight requests (up to %gs)", config.shutdown_grace)

@@ -266,7 +266,7 @@ class SentinelServer:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-_LISTENING_RE = re.compile(r"listening on http://(\S+):(\d+) \(admin http://(\S+):(\d+)\)")
+_LISTENING_RE = re.compile(r"listening on (https?)://(\S+):(\d+) \(admin http://(\S+):(\d+)\)")
 
 
 class GatewayProcess:
@@ -321,8 +321,8 @@ class GatewayProcess:
             lines.append(line)
             match = _LISTENING_RE.search(line) if watch else None
             if match:
-                self.url = f"http://{match.group(1)}:{match.group(2)}"
-                self.admin_url = f"http://{match.group(3)}:{match.group(4)}"
+                self.url = f"{match.group(1)}://{match.group(2)}:{match.group(3)}"
+                self.admin_url = f"http://{match.group(4)}:{match.group(5)}"
                 self._listening.set()
         if watch:
             self._listening.set()

@@ -29,6 +29,7 @@ from yarl import URL
 
 from gateway.testing import running_gateway
 from tests.processes import eventually
+from tests.scrape import scrape, value
 
 # How late a timeout may fire and its close reach the test, on a busy 2-core machine.
 SLACK = 2.0
@@ -161,6 +162,19 @@ async def test_a_keepalive_connection_serves_requests_after_an_idle_gap_shorter_
                 await asyncio.sleep(0.5)  # idle longer than the head timeout, shorter than keep-alive
             writer.write(GET)
             assert (await reader.readuntil(b"}")).startswith(b"HTTP/1.1 200")
+
+
+async def test_heads_refused_for_their_size_or_time_are_counted_and_carry_no_server_banner(upstream, client):
+    async with running_gateway(_config(upstream, "client_header_timeout: 300ms\nmax_header_size: 16KiB")) as gw:
+        for request in (_big_head(3, 8000), b"GET /echo HTTP/1.1\r\nHost: gateway.test\r\n"):
+            async with _connection(gw.url) as (reader, writer):
+                writer.write(request)
+                data, _ = await _read_until_closed(reader, 0.3 + SLACK)
+            ((status, headers, _),) = _responses(data)
+            assert status in (431, 408)
+            assert "server" not in headers
+        _, samples = await scrape(client, gw.admin_url)
+    assert value(samples, "gateway_requests_total", route="unmatched", method="OTHER", status_class="4xx") == 2
 
 
 # --- max_header_size --------------------------------------------------------------

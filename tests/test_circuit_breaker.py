@@ -6,6 +6,7 @@ one probe per cool-down, however many requests came meanwhile."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import aiohttp
@@ -17,9 +18,13 @@ from gateway.limiter.circuit_breaker import (
     BreakerState,
     CircuitBreaker,
 )
+from gateway.limiter.limiter import Limiter
+from gateway.limiter.redis_store import RedisStore
+from gateway.limiter.store import LimitCheck
 from gateway.testing import running_gateway
+from tests.processes import RedisServer, eventually
 from tests.scrape import scrape, value
-from tests.test_redis_failures import gateway_yaml, get
+from tests.test_redis_failures import gateway_yaml, get, one_limit, store_config
 
 
 def test_it_opens_after_consecutive_failures_over_a_while_only():
@@ -68,6 +73,16 @@ def test_a_probe_that_went_away_is_owed_to_the_next_caller():
     assert breaker.allows(1.0) and breaker.state is BreakerState.HALF_OPEN
 
 
+def test_a_probe_that_could_not_be_sent_is_owed_to_the_next_caller():
+    breaker = CircuitBreaker(failures=2, failing_seconds=0.0, cooldown=1.0)
+    breaker.not_sent(0.0)  # while closed, a failure like any other
+    breaker.not_sent(0.0)
+    assert breaker.state is BreakerState.OPEN and not breaker.allows(0.5)
+    assert breaker.allows(1.0)
+    breaker.not_sent(1.0)
+    assert breaker.allows(1.0) and breaker.state is BreakerState.HALF_OPEN
+
+
 async def test_a_hung_redis_costs_requests_nothing_once_the_breaker_opens(redis_server, upstream):
     config = gateway_yaml(redis_server.url, upstream, timeout="10ms", burst=100_000)
     async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
@@ -105,3 +120,32 @@ async def test_a_hung_redis_costs_requests_nothing_once_the_breaker_opens(redis_
         assert value(samples, "gateway_store_breaker", state="closed") == 1
         async with http.get(gw.admin_url + "/readyz") as response:
             assert (await response.json())["breaker"] == "closed"
+
+
+async def test_a_probe_that_could_not_be_sent_leaves_the_probe_to_the_next_check():
+    """While the connection is down a check fails at once and costs nothing, so a probe
+    that met no connection learned nothing: the next check probes, and the first check
+    after the connection is back is decided by Redis, not a cool-down later. (A failed
+    probe used to open the breaker for another 0.5 s: with the reconnect backoff of up
+    to 0.5 s on top, decisions resumed up to 1 s after Redis was back.)"""
+    server = RedisServer()  # a free port, nothing listening yet
+    store = RedisStore(store_config(server.url, timeout=0.01))
+    changes: list[BreakerState] = []
+    limiter = Limiter(store, shared_store=True, on_breaker_change=changes.append)
+    check = [LimitCheck(limit=one_limit(burst=1000), identity="header:x-api-key=k", cost=1)]
+    try:
+        # Failures until the breaker opens, then until its cool-down ends and a probe goes out.
+        async def probed() -> bool:
+            decision = await limiter.check(check)
+            assert decision.statuses[0].outcome == "fail_open"
+            return BreakerState.HALF_OPEN in changes
+
+        await eventually(probed, what="the breaker to open and then probe", deadline=5)
+        assert limiter.breaker.state is BreakerState.OPEN
+        await asyncio.to_thread(server.start)
+        await store.ping()  # connected
+        decision = await limiter.check(check)
+        assert decision.statuses[0].outcome == "allow", "the breaker waited out a cool-down after the probe"
+    finally:
+        await store.close()
+        server.__exit__(None, None, None)

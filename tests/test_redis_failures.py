@@ -1,16 +1,17 @@
-"""When Redis is slow, stopped, restarted or loses its script cache.
+"""When Redis is slow, stopped, restarted or loses its script cache: the store's
+own behaviour, and what the fault suite (tests/test_faults.py) does not cover.
 
 Each check is bounded by store.timeout as a whole, pool wait included; a check
-that timed out is never sent again; a fail-open or fail-closed answer costs a
-request at most the timeout; decisions resume as soon as Redis is back; and
-SCRIPT FLUSH is invisible to clients. Latency is asserted only where the
-requirement is about latency, on medians, since the machine is shared."""
+that timed out is never sent again; a gateway started before Redis begins
+deciding once Redis is up; gateways agree on the identity secret after Redis
+restarts empty; and SCRIPT FLUSH leaves the counts exact. What clients see
+under load during each fault, with latency, recovery, store calls and leaks,
+is in the fault suite."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import statistics
 import time
 
 import aiohttp
@@ -21,9 +22,6 @@ from gateway.limiter.redis_store import RedisStore
 from gateway.limiter.store import LimitCheck, StoreDecision, StoreError
 from gateway.testing import config_from_yaml, running_gateway
 from tests.processes import RedisServer
-
-# Added latency allowed on top of store.timeout for a fail-open or fail-closed answer.
-LATENCY_SLACK = 0.005
 
 
 def gateway_yaml(store_url: str, upstream: str, *, timeout: str, burst: int = 10, rate: str = "1/day") -> str:
@@ -187,61 +185,6 @@ async def test_a_check_that_timed_out_is_not_sent_again(redis_server, upstream):
             assert answer.headers["RateLimit"].startswith(f'"fair";r={int(tokens)};')
 
 
-async def median_added_latency(http: aiohttp.ClientSession, url: str, limited: str, *, rounds: int = 25):
-    """Median latency of `limited` minus that of the unlimited /free route, interleaved to share the noise."""
-    free, slow, statuses = [], [], collections.Counter()
-    for _ in range(rounds):
-        started = time.perf_counter()
-        await get(http, url + "/free")
-        free.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        response = await get(http, url + limited)
-        slow.append(time.perf_counter() - started)
-        statuses[response.status] += 1
-    return statistics.median(slow) - statistics.median(free), statuses
-
-
-@pytest.mark.parametrize("outage", ["paused", "stopped"])
-async def test_fail_open_and_fail_closed_add_at_most_the_timeout(redis_server, upstream, outage):
-    timeout = 0.01  # the default store.timeout
-    config = gateway_yaml(redis_server.url, upstream, timeout="10ms")
-    async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
-        assert (await get(http, gw.url + "/open")).status == 200
-        if outage == "paused":
-            redis_server.pause()
-        else:
-            redis_server.stop()
-        try:
-            added_open, open_statuses = await median_added_latency(http, gw.url, "/open")
-            added_closed, closed_statuses = await median_added_latency(http, gw.url, "/closed")
-        finally:
-            if outage == "paused":
-                redis_server.resume()
-    print(f"Redis {outage}: fail-open added {added_open * 1000:.2f} ms, fail-closed {added_closed * 1000:.2f} ms (median)")
-    assert open_statuses == {200: 25}
-    assert closed_statuses == {503: 25}
-    assert added_open < timeout + LATENCY_SLACK, f"fail-open added {added_open * 1000:.1f} ms"
-    assert added_closed < timeout + LATENCY_SLACK, f"fail-closed added {added_closed * 1000:.1f} ms"
-
-
-async def test_decisions_resume_within_a_second_of_redis_restarting_on_the_same_port(redis_server, upstream):
-    config = gateway_yaml(redis_server.url, upstream, timeout="10ms")
-    port = redis_server.port
-    async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
-        assert "RateLimit" in (await get(http, gw.url + "/open")).headers
-        redis_server.stop()
-        down = await get(http, gw.url + "/open")
-        assert down.status == 200 and "RateLimit" not in down.headers
-        redis_server.start()
-        back = time.monotonic()
-        assert redis_server.port == port and redis_server.client().ping()
-        while "RateLimit" not in (await get(http, gw.url + "/open")).headers:
-            assert time.monotonic() - back < 1.0, "decisions did not resume within 1 s of Redis restarting"
-        assert time.monotonic() - back < 1.0
-        # A restarted Redis has forgotten the bucket: the client starts from a full one.
-        assert (await get(http, gw.url + "/open")).headers["RateLimit"] == '"fair";r=8;t=172800'
-
-
 async def test_a_gateway_started_before_redis_starts_deciding_once_redis_is_up(upstream):
     server = RedisServer()  # a free port, nothing listening yet
     try:
@@ -334,22 +277,3 @@ async def test_script_flush_during_traffic_is_invisible_to_clients(redis_server,
     assert statuses == {200: 100, 429: 100}
     # The flushes did bite: some EVALSHA got NOSCRIPT and the script was sent in full.
     assert stats["cmdstat_eval"]["calls"] >= 1
-
-
-async def test_a_redis_out_of_memory_is_a_store_failure_and_decisions_resume_when_it_has_room(redis_server, upstream):
-    config = gateway_yaml(redis_server.url, upstream, timeout="10ms")
-    client = redis_server.client()
-    async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
-        assert "RateLimit" in (await get(http, gw.url + "/open")).headers
-        client.config_set("maxmemory-policy", "noeviction")
-        client.config_set("maxmemory", "1")  # below what it uses: every write is refused with OOM
-        try:
-            for _ in range(10):
-                refused = await get(http, gw.url + "/open", key="new-client")
-                assert refused.status == 200 and "RateLimit" not in refused.headers
-                assert (await get(http, gw.url + "/closed", key="new-client")).status == 503
-        finally:
-            client.config_set("maxmemory", "0")
-        back = time.monotonic()
-        while "RateLimit" not in (await get(http, gw.url + "/open", key="new-client")).headers:
-            assert time.monotonic() - back < 1.0, "decisions did not resume within 1 s of Redis having room"

@@ -17,7 +17,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import yaml
 
-from gateway.config import jwt_keys
+from gateway.config import jwt_keys, tls
 from gateway.config.model import (
     ClientLimits,
     DotSegments,
@@ -29,6 +29,7 @@ from gateway.config.model import (
     JwtConfig,
     JwtFailure,
     Limit,
+    ListenTls,
     Match,
     PathNormalization,
     Route,
@@ -39,6 +40,7 @@ from gateway.config.model import (
 from gateway.config.units import (
     REDIS_PORT,
     SENTINEL_PORT,
+    Address,
     parse_address,
     parse_duration,
     parse_rate,
@@ -91,8 +93,32 @@ _HTTP_TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _NOT_IN_ROUTE_PATH = re.compile(r"[%;?#\\\x00-\x1f\x7f]")
 
 
+def redacted_url(url: str) -> str:
+    """`url` with its userinfo's secret replaced by `***`, for error messages and logs.
+
+    The userinfo is everything between `://` and the last `@`, as a person wrote it: a
+    password holding an unencoded `#`, `/` or `?` ends urlsplit's netloc early, so
+    urlsplit would show the password's tail as a path or fragment. Before a `:`, the user
+    name stays; with no `:` the whole userinfo goes, since `redis://password@host` puts a
+    password where the user name goes. An `@` in the path or query is redacted too: it is
+    rare, and showing too little is the safe side."""
+    scheme, sep, rest = url.partition("://")
+    at = rest.rfind("@")
+    if not sep or at < 0:
+        return url if "@" not in url else "***" + url[url.rfind("@"):]
+    user, colon, _ = rest[:at].partition(":")
+    return f"{scheme}://{user + ':***' if colon else '***'}@{rest[at + 1:]}"
+
+
 class ConfigError(Exception):
-    """An invalid config file; str() is the one line shown to the user."""
+    """An invalid config file; str() is the one line shown to the user. Characters that are
+    not printable (a key holding a newline, a value with a control character) are escaped
+    as Python writes them, so the message stays one line and writes nothing to a terminal."""
+
+    def __init__(self, message: str) -> None:
+        if not message.isprintable():
+            message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+        super().__init__(message)
 
 
 class _SafeLoaderRejectingDuplicates(yaml.SafeLoader):
@@ -244,11 +270,12 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         required=("routes",),
         optional=(
             "listen", "admin_listen", "workers", "max_in_flight", "store", "trusted_proxies", "limits",
-            "shutdown_grace", "forwarded_headers", "jwt", "path_normalization", "client_header_timeout",
-            "client_body_timeout", "keepalive_timeout", "keepalive_requests", "max_header_size", "upstream_connections",
+            "shutdown_grace", "forwarded_headers", "jwt", "path_normalization", "admin_token_env",
+            "client_header_timeout", "client_body_timeout", "keepalive_timeout", "keepalive_requests",
+            "max_header_size", "upstream_connections",
         ),
     )
-    listen = r.parsed(parse_address, top.get("listen", DEFAULT_LISTEN), "listen")
+    listen, listen_tls = _listen(top.get("listen", DEFAULT_LISTEN), r)
     admin_listen = r.parsed(parse_address, top.get("admin_listen", DEFAULT_ADMIN_LISTEN), "admin_listen")
     workers = r.integer(top.get("workers", 1), "workers", minimum=1)
     max_in_flight = r.integer(top.get("max_in_flight", DEFAULT_MAX_IN_FLIGHT), "max_in_flight", minimum=1)
@@ -303,6 +330,8 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         forwarded_headers=forwarded_headers,
         jwt=jwt_config,
         path_normalization=_path_normalization(top.get("path_normalization", {}), r),
+        listen_tls=listen_tls,
+        admin_token=_admin_token(top.get("admin_token_env"), r, environ),
         clients=ClientLimits(
             header_timeout=r.parsed(
                 parse_duration, top.get("client_header_timeout", DEFAULT_CLIENT_HEADER_TIMEOUT), "client_header_timeout"
@@ -322,6 +351,44 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
             top.get("upstream_connections", DEFAULT_UPSTREAM_CONNECTIONS), "upstream_connections", minimum=1
         ),
     )
+
+
+def _listen(doc: Any, r: _Reader) -> tuple[Address, ListenTls | None]:
+    """`listen: HOST:PORT`, or `listen: {address: HOST:PORT, tls: {cert, key, min_version}}`."""
+    if not isinstance(doc, dict):
+        return r.parsed(parse_address, doc, "listen"), None
+    spec = r.mapping(doc, "listen", required=("address",), optional=("tls",))
+    address = r.parsed(parse_address, spec["address"], "listen.address")
+    if spec.get("tls") is None:
+        return address, None
+    tls_doc = r.mapping(spec["tls"], "listen.tls", required=("cert", "key"), optional=("min_version",))
+    min_version = tls_doc.get("min_version", "TLSv1.2")
+    if not isinstance(min_version, str) or min_version not in tls.TLS_VERSIONS:
+        r.fail("listen.tls.min_version", f"expected {' or '.join(tls.TLS_VERSIONS)}, got {min_version!r}")
+    listen_tls = ListenTls(
+        cert_file=r.string(tls_doc["cert"], "listen.tls.cert"),
+        key_file=r.string(tls_doc["key"], "listen.tls.key"),
+        min_version=min_version,
+    )
+    try:
+        tls.server_context(listen_tls)
+    except OSError as exc:
+        r.fail("listen.tls", f"cannot load the certificate and key: {exc.strerror or exc}")
+    return address, listen_tls
+
+
+def _admin_token(name: Any, r: _Reader, environ: Mapping[str, str]) -> str | None:
+    """The admin bearer token from the environment variable `admin_token_env` names; the
+    token itself never sits in the file, and no message shows it."""
+    if name is None:
+        return None
+    name = r.string(name, "admin_token_env")
+    token = environ.get(name)
+    if token is None:
+        r.fail("admin_token_env", f"environment variable {name} is not set")
+    if len(token) < 16 or not token.isascii() or not token.isprintable() or " " in token:
+        r.fail("admin_token_env", f"the token in {name} must be at least 16 visible ASCII characters")
+    return token
 
 
 def _jwt(doc: Any, r: _Reader, environ: Mapping[str, str]) -> JwtConfig:
@@ -391,12 +458,20 @@ def _store(doc: Any, r: _Reader) -> StoreConfig:
             "store.max_pending bounds the commands waiting on it",
         )
     url = r.string(spec["url"], "store.url")
+    shown = redacted_url(url)  # every message below shows this, never the password
+    userinfo = url.partition("://")[2].rpartition("@")[0]
+    if any(c in userinfo for c in "/?#"):
+        r.fail(
+            "store.url",
+            f"the user name or password holds /, ? or #, which end the host part of a URL; "
+            f"percent-encode them (%2F, %3F, %23), got {shown!r}",
+        )
     parts = urlsplit(url)
     if parts.scheme not in STORE_SCHEMES:
-        r.fail("store.url", f"expected a URL with scheme {', '.join(s + '://' for s in STORE_SCHEMES)}, got {url!r}")
+        r.fail("store.url", f"expected a URL with scheme {', '.join(s + '://' for s in STORE_SCHEMES)}, got {shown!r}")
     if parts.scheme == "unix":
         if not parts.path:
-            r.fail("store.url", f"expected unix:///path/to/redis.sock, got {url!r}")
+            r.fail("store.url", f"expected unix:///path/to/redis.sock, got {shown!r}")
         allowed_query = {"db"}
     elif parts.scheme == "redis+sentinel":
         example = "redis+sentinel://host:26379,host:26380/mymaster"
@@ -419,11 +494,11 @@ def _store(doc: Any, r: _Reader) -> StoreConfig:
         allowed_query = set()
     else:
         if not parts.hostname:
-            r.fail("store.url", f"expected a host, as in redis://127.0.0.1:6379/0, got {url!r}")
+            r.fail("store.url", f"expected a host, as in redis://127.0.0.1:6379/0, got {shown!r}")
         try:
             _ = parts.port  # raises ValueError on a bad port
         except ValueError:
-            r.fail("store.url", f"bad port in {url!r}")
+            r.fail("store.url", f"bad port in {shown!r}")
         db = parts.path.lstrip("/")
         if db and not db.isdigit():
             r.fail("store.url", f"expected a database number as the path, as in /0, got {parts.path!r}")
@@ -605,6 +680,8 @@ def _route_limit(item: Any, path: str, limits: Mapping[str, Limit], r: _Reader) 
 
 
 def _join(path: str, key: str) -> str:
+    if not key or key != key.strip() or any(c in key for c in ".:[]'"):
+        key = repr(key)  # a key that would read as part of the path, or as none
     return f"{path}.{key}" if path else key
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.config.units import Address, Rate
@@ -169,6 +169,16 @@ class StoreConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ListenTls:
+    """TLS on the public listener: a PEM certificate chain and its key, and the oldest
+    protocol version accepted ("TLSv1.2" or "TLSv1.3")."""
+
+    cert_file: str
+    key_file: str
+    min_version: str = "TLSv1.2"
+
+
+@dataclass(frozen=True, kw_only=True)
 class GatewayConfig:
     source: str
     listen: Address
@@ -183,5 +193,8 @@ class GatewayConfig:
     forwarded_headers: ForwardedHeaders = ForwardedHeaders.REPLACE
     jwt: JwtConfig | None = None  # how `jwt:CLAIM` identity sources verify their token
     path_normalization: PathNormalization = PathNormalization()
+    listen_tls: ListenTls | None = None  # serve the public listener over TLS
+    # A bearer token /metrics and /readyz require, read from the environment at load; never shown.
+    admin_token: str | None = field(default=None, repr=False)
     clients: ClientLimits = ClientLimits()
     upstream_connections: int = 1000  # per upstream and worker process; more requests wait up to timeout.queue

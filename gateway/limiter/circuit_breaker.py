@@ -5,7 +5,8 @@ After `BREAKER_FAILURES` consecutive store failures spread over at least
 `BREAKER_COOLDOWN` seconds no check is sent, and each limit's failure policy
 answers at once, so a dead or hung Redis costs a request nothing instead of a
 timeout. Then one check is let through as a probe (half-open); its success
-closes the breaker, its failure opens it for another cool-down.
+closes the breaker, its failure opens it for another cool-down. A probe that
+could not be sent, for want of a connection, leaves the probe to the next caller.
 
 No I/O and no clock of its own: the limiter reports outcomes and passes the time.
 """
@@ -86,6 +87,16 @@ class CircuitBreaker:
         if self.state is BreakerState.HALF_OPEN:
             self._become(BreakerState.OPEN)
             self._open_until = now
+
+    def not_sent(self, now: float) -> None:
+        """A check failed without reaching the store (no connection; one is being made).
+        While closed that is a failure like any other. A probe that could not be sent
+        learned nothing and cost nothing, so the next caller probes: decisions resume
+        with the first check after the connection is back, not a cool-down later."""
+        if self.state is BreakerState.HALF_OPEN:
+            self.abandoned(now)
+        else:
+            self.failed(now)
 
     def failed(self, now: float) -> None:
         if self._failures == 0:

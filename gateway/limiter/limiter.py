@@ -21,7 +21,7 @@ from gateway.limiter.circuit_breaker import BreakerState, CircuitBreaker
 from gateway.limiter.client_waves import ClientWaves
 from gateway.limiter.denial_cache import REFUNDING_STORE_MAX_HOLD, CachedDenial, DenialCache
 from gateway.limiter.memory_store import MemoryStore
-from gateway.limiter.store import LimitCheck, Store, StoreDecision, StoreError
+from gateway.limiter.store import LimitCheck, Store, StoreDecision, StoreError, StoreNotConnected
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,9 @@ class Limiter:
                 return self._on_store_error(checks, BREAKER_OPEN)
             try:
                 answer = await self.store.check(checks)
+            except StoreNotConnected:
+                self.breaker.not_sent(time.monotonic())
+                raise
             except StoreError:
                 self.breaker.failed(time.monotonic())
                 raise

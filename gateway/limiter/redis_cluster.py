@@ -171,7 +171,11 @@ class RedisCluster:
         asking = False
         for _ in range(MAX_REDIRECTS + 1):
             try:
-                if not connection.connected:
+                if not connection.ever_connected:
+                    # A master named since the last connect (a promoted replica, a
+                    # migration's target) is worth one timeout's wait. A known master
+                    # that lost its connection is reconnecting with backoff: its checks
+                    # fail at once rather than each trying to connect.
                     await self._connected(connection)
                 if asking:
                     # ASKING lets the next command on this connection, and only it, use the

@@ -30,13 +30,13 @@ import logging
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
 
-from gateway.limiter.store import StoreError
+from gateway.limiter.store import StoreError, StoreNotConnected
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class RedisAddress:
     unix_path: str = ""
     tls: ssl.SSLContext | None = None
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)  # never in a log line
     db: int = 0
 
     def __str__(self) -> str:
@@ -156,6 +156,7 @@ class RedisConnection:
         self._last_error = "not connected yet"
         self._opening: asyncio.Future[None] | None = None  # the attempt to connect under way
         self._closed = False
+        self.ever_connected = False  # False until the first connect succeeds
 
     @property
     def connected(self) -> bool:
@@ -190,7 +191,7 @@ class RedisConnection:
         """Queue one command; the future resolves to its reply or raises StoreError."""
         if self._transport is None:
             self._reconnect_soon()
-            raise StoreError(f"redis {self.address}: {self._last_error}")
+            raise StoreNotConnected(f"redis {self.address}: {self._last_error}")
         if self.pending >= self._max_pending:
             error = StoreError(f"redis {self.address}: {self.pending} commands already waiting for Redis")
             self._drop_if_stale()
@@ -351,6 +352,7 @@ class RedisConnection:
             self._abort()
             self._last_error = f"cannot connect: {exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
             raise StoreError(f"redis {address}: {self._last_error}") from None
+        self.ever_connected = True
         log.info("connected to redis %s", address)
 
     async def _handshake(self) -> None:

@@ -22,8 +22,9 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from importlib import resources
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
+from gateway.config.loader import redacted_url
 from gateway.config.model import Limit, StoreConfig
 from gateway.limiter.keys import bucket_key, identity_digest
 from gateway.limiter import redis_cluster, redis_sentinel
@@ -51,13 +52,8 @@ def load_script(name: str = SCRIPT_NAME) -> str:
 
 
 def redacted(url: str) -> str:
-    """The URL without its password, for logs and /readyz."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    """The URL without its password, for logs and /readyz (see gateway.config.loader.redacted_url)."""
+    return redacted_url(url)
 
 
 class RedisStore:

@@ -19,6 +19,11 @@ class StoreError(Exception):
     """The store could not answer (down, slow, or refusing); the limit's failure policy decides."""
 
 
+class StoreNotConnected(StoreError):
+    """Nothing was sent: there is no connection to the store now, and one is being made.
+    Costs the caller nothing and says nothing new about the store."""
+
+
 @dataclass(frozen=True, slots=True)
 class LimitCheck:
     limit: Limit

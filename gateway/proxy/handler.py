@@ -33,6 +33,7 @@ from gateway.proxy.client_identity import ClientIdentity, IdentityRejected
 from gateway.proxy.headers import GATEWAY_WRITTEN, add_forwarded, end_to_end
 from gateway.proxy.paths import NormalPath, PathRejected, normalize_path
 from gateway.proxy.problem import problem, problem_response
+from gateway.proxy.protocol import request_line_problem
 from gateway.proxy.ratelimit_headers import ratelimit_headers, retry_after_seconds
 from gateway.proxy.route_plan import Plans, RoutePlan, compile_plans
 from gateway.proxy.upstream_slots import UpstreamSlots
@@ -90,15 +91,21 @@ class ProxyHandler:
         requests = plans.unmatched
         response: web.StreamResponse | None = None
         try:
+            response = request_line_problem(request)
+            if response is not None:
+                return response
             if "Expect" in request.headers:
                 response = await _expectation(request)
                 if response is not None:
                     return response
             raw_path = _raw_path(request)
             if raw_path is None:
-                # Authority-form (CONNECT host:port) and asterisk-form (OPTIONS *) targets
-                # name no resource of ours: this is a reverse proxy, never a tunnel.
+                # CONNECT (whatever its target) and asterisk-form (OPTIONS *) targets name no
+                # resource of ours: this is a reverse proxy, never a tunnel. What follows a
+                # CONNECT was meant as tunnel data, so the connection closes rather than
+                # reading it as requests.
                 response = problem(400, "Bad Request", "Only origin-form request targets such as /path are served.")
+                response.force_close()
                 return response
             try:
                 path = normalize_path(raw_path, plans.path_rule)
@@ -234,15 +241,16 @@ class ProxyHandler:
             if isinstance(stalled, ClientLimitExceeded):
                 return stalled.response()
             return problem_response(504, plan.upstream_timeout, headers=limit_headers)
+        # The client learns what failed, never where: the upstream's address stays in the log.
         except aiohttp.ClientConnectorError as exc:
-            return problem(
-                502, "Bad Gateway", f"Cannot connect to the upstream: {exc.os_error.strerror or exc}.", headers=limit_headers
-            )
+            log.warning("cannot connect to upstream %s: %s", plan.upstream, exc.os_error.strerror or exc)
+            return problem(502, "Bad Gateway", "Cannot connect to the upstream.", headers=limit_headers)
         except aiohttp.ClientError as exc:
             stalled = request.content.exception()
             if isinstance(stalled, ClientLimitExceeded):
                 return stalled.response()  # the client's body stalled (client_body_timeout), not the upstream
-            return problem(502, "Bad Gateway", f"The upstream failed: {type(exc).__name__}.", headers=limit_headers)
+            log.warning("upstream %s failed: %s: %s", plan.upstream, type(exc).__name__, exc)
+            return problem(502, "Bad Gateway", "The upstream failed.", headers=limit_headers)
 
 
 class _ArrivedResponse(web.StreamResponse):
@@ -262,7 +270,7 @@ async def _expectation(request: web.BaseRequest) -> web.Response | None:
         return None
     expect = request.headers["Expect"]
     if expect.lower() != "100-continue":
-        return problem(417, "Expectation Failed", f"Only 100-continue is understood, not {expect!r}.")
+        return problem(417, "Expectation Failed", "Only the expectation 100-continue is understood.")
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the interim response is not part of the response's size
     await request.writer.drain()
@@ -310,12 +318,13 @@ def _rejection(plan: RoutePlan, decision: Decision, limit_headers: dict[str, str
 
 
 def _raw_path(request: web.BaseRequest) -> str | None:
-    """The path of the request target exactly as received, or None for a target that is not a path."""
+    """The path of the request target exactly as received, or None for a target that is not a
+    path, and for any CONNECT."""
+    if request.method == "CONNECT":
+        return None  # forwarded, an upstream's 2xx would make the connection a tunnel
     target = request.raw_path  # the whole request target, as the parser read it
     if target[:1] == "/":
         return target.partition("?")[0]  # a "#" stays in, and is refused as no path character
-    if request.method == "CONNECT":
-        return None
     # Absolute-form: yarl has split the path off as received; an empty one means "/" (RFC 9112 §3.2.2).
     raw_path = request.rel_url.raw_path or "/"
     return raw_path if raw_path[:1] == "/" else None

@@ -1,0 +1,158 @@
+"""What the public listener says about itself, before and around the proxy handler.
+
+Trusts nothing a client sent: a request aiohttp's parser (llhttp) refuses is
+answered with a fixed problem+json that echoes none of its bytes (aiohttp's own
+answer quotes the offending line, API keys and `<script>` included), and it is
+logged as one debug line naming the kind of error, never with a traceback: a
+malformed request is the client's doing, not ours, and a flood of them must not
+become a flood of tracebacks. Only a failure of our own code (a 500) is logged
+with its traceback.
+
+No response carries a `Server` banner: aiohttp adds `Python/3.11 aiohttp/X.Y.Z`
+to every response, which tells an attacker which advisories to try, and an
+upstream's own `Server` field is dropped as nginx drops it (`proxy_hide_header`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from http import HTTPStatus
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion10, HttpVersion11
+from aiohttp.http_exceptions import (
+    BadHttpMethod,
+    BadStatusLine,
+    InvalidHeader,
+    InvalidURLError,
+    LineTooLong,
+    PayloadEncodingError,
+)
+from aiohttp import web_protocol
+from aiohttp.web_protocol import RequestHandler
+
+from gateway.bounded_protocol import BoundedRequestHandler, BoundedServer
+from gateway.proxy.problem import problem
+
+log = logging.getLogger("gateway.protocol")
+
+# Checked most specific first: BadHttpMethod is a BadStatusLine, and so on.
+_PARSER_ERRORS: tuple[tuple[type[Exception], str], ...] = (
+    (BadHttpMethod, "The request method is not one this gateway accepts, or this is not HTTP/1.x."),
+    (BadStatusLine, "The request line is malformed."),
+    (LineTooLong, "The request line or a header field is too long."),
+    (InvalidURLError, "The request target is malformed."),
+    (InvalidHeader, "A header field is malformed."),
+    (PayloadEncodingError, "The message body's framing (Content-Length or Transfer-Encoding) is malformed."),
+)
+_MALFORMED = "The request is malformed."
+
+# RFC 9110 §7.2: Host = uri-host [ ":" port ]. A reg-name is restricted here to its
+# unreserved characters: sub-delims (`!$&'()*+,;=`) and %-escapes name no real host and
+# are how `evil.example/@x`-style values confuse an upstream's URL parser. An IP-literal
+# is an IPv6 address in brackets. RFC 9112 §3.2 asks for 400 on an invalid Host.
+_VALID_HOST = re.compile(r"(?:[A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{0,5})?")
+
+
+def request_parser() -> str:
+    """"llhttp" when aiohttp parses requests with its C extension (llhttp), as the gateway
+    must: most aiohttp request-smuggling advisories hit only the pure-Python parser, which
+    aiohttp falls back to without a compiled wheel or with AIOHTTP_NO_EXTENSIONS set."""
+    return "llhttp" if web_protocol.HttpRequestParser.__module__ == "aiohttp._http_parser" else "python"
+
+
+def host_problem(request: web.BaseRequest) -> web.Response | None:
+    """A 400 for a request whose Host is not a host (RFC 9112 §3.2): missing on HTTP/1.1,
+    given twice, empty or malformed; None when it is fine. HTTP/1.0 may omit it."""
+    hosts = request.headers.getall(hdrs.HOST, ())
+    if not hosts:
+        if request.version == HttpVersion10:
+            return None
+        return problem(400, "Bad Request", "An HTTP/1.1 request needs a Host header.")
+    if len(hosts) > 1:
+        return problem(400, "Bad Request", "The Host header is given more than once.")
+    if _VALID_HOST.fullmatch(hosts[0]) is None:
+        return problem(400, "Bad Request", "The Host header is not a valid host[:port].")
+    return None
+
+
+def version_problem(request: web.BaseRequest) -> web.Response | None:
+    """A 505 for a request line naming a version other than HTTP/1.0 or HTTP/1.1: llhttp
+    reads `HTTP/2.0` and aiohttp would answer `HTTP/2.0 200 OK` over an HTTP/1 connection.
+    The answer is an HTTP/1.1 one (RFC 9110 §15.6.6)."""
+    if not isinstance(request, _UnsupportedVersionRequest):
+        return None
+    response = problem(505, "HTTP Version Not Supported", "Only HTTP/1.0 and HTTP/1.1 are served here.")
+    response.force_close()
+    return response
+
+
+def request_line_problem(request: web.BaseRequest) -> web.Response | None:
+    """The version and Host checks, in that order: the proxy handler's first step."""
+    return version_problem(request) or host_problem(request)
+
+
+class _Request(web.BaseRequest):
+    async def _prepare_hook(self, response: web.StreamResponse) -> None:
+        # Runs after aiohttp has added its Server banner and before the head is written.
+        response.headers.popall(hdrs.SERVER, None)
+
+
+class _UnsupportedVersionRequest(_Request):
+    """A request whose line named another version; it is read as HTTP/1.1 so that the
+    505 answering it is written as HTTP/1.1."""
+
+
+class _RequestHandler(BoundedRequestHandler):
+    def refused(self) -> None:
+        if self._manager is not None:
+            self._manager.refused()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """Answer what aiohttp could not hand to the proxy handler (a request the parser
+        refused, 400) or what escaped it (500, or 504 for a stray timeout), as problem+json."""
+        if status == HTTPStatus.INTERNAL_SERVER_ERROR:
+            log.error("request handler failed for %s %s", request.method, request.path, exc_info=exc)
+            detail = "The gateway failed to handle this request."
+        elif status == HTTPStatus.BAD_REQUEST:
+            log.debug("refused a malformed request from %s: %s", request.remote, type(exc).__name__)
+            self.refused()
+            detail = next((text for kind, text in _PARSER_ERRORS if isinstance(exc, kind)), _MALFORMED)
+        else:
+            detail = HTTPStatus(status).description + "."
+        if request.writer.output_size > 0:
+            raise ConnectionError("Response is sent already, cannot send another response with the error message")
+        response = problem(status, HTTPStatus(status).phrase, detail)
+        response.force_close()
+        return response
+
+
+class PublicServer(BoundedServer):
+    """aiohttp's low-level server, speaking through the handler and request classes above,
+    each connection bounded by `limits` (gateway.bounded_protocol). `refused` is called for
+    each request the parser or those bounds refused, which the proxy handler never sees, so
+    that the metrics count it."""
+
+    handler_class = _RequestHandler
+
+    def __init__(self, handler: Any, *, refused: Callable[[], None] = lambda: None, **kwargs: Any) -> None:
+        super().__init__(handler, request_factory=self._request, **kwargs)
+        self.refused = refused
+
+    def _request(
+        self, message: Any, payload: Any, protocol: RequestHandler, writer: Any, task: asyncio.Task[None]
+    ) -> web.BaseRequest:
+        if message.version == HttpVersion11 or message.version == HttpVersion10:
+            return _Request(message, payload, protocol, writer, task, self._loop)
+        message = message._replace(version=HttpVersion11, should_close=True)
+        return _UnsupportedVersionRequest(message, payload, protocol, writer, task, self._loop)
