@@ -13,10 +13,22 @@ from yarl import URL
 RAW_TIMEOUT = 10.0
 
 
-async def raw_request(url: str, request: bytes, *, local_host: str = "127.0.0.1") -> tuple[int, dict[str, list[str]], bytes]:
+def _dechunk(body: bytes) -> bytes:
+    out = bytearray()
+    while True:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            return bytes(out)
+        out += body[:size]
+        body = body[size + 2 :]
+
+
+async def raw_exchange(
+    url: str, request: bytes, *, local_host: str = "127.0.0.1"
+) -> tuple[int, list[tuple[str, str]], bytes]:
     """Send `request` verbatim (it must ask for Connection: close) and read the whole answer.
-    Returns the status, the header values by lower-case name, and the body (never chunked here:
-    the gateway's problem responses and the echo upstream's JSON carry a Content-Length)."""
+    Returns the status, every header line in order, and the body with chunked framing removed."""
     target = URL(url)
     reader, writer = await asyncio.open_connection(target.host, target.port, local_addr=(local_host, 0))
     try:
@@ -28,11 +40,24 @@ async def raw_request(url: str, request: bytes, *, local_host: str = "127.0.0.1"
         await writer.wait_closed()
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = [(name.strip(), value.strip()) for name, _, value in (line.partition(":") for line in lines[1:])]
+    if any(n.lower() == "transfer-encoding" and "chunked" in v.lower() for n, v in headers):
+        body = _dechunk(body)
+    return status, headers, body
+
+
+def values(headers: list[tuple[str, str]], name: str) -> list[str]:
+    return [v for n, v in headers if n.lower() == name.lower()]
+
+
+async def raw_request(url: str, request: bytes, *, local_host: str = "127.0.0.1") -> tuple[int, dict[str, list[str]], bytes]:
+    """`raw_exchange`, with the header values by lower-case name."""
+    status, lines, body = await raw_exchange(url, request, local_host=local_host)
     headers: dict[str, list[str]] = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        headers.setdefault(name.strip().lower(), []).append(value.strip())
-    return int(lines[0].split()[1]), headers, body
+    for name, value in lines:
+        headers.setdefault(name.lower(), []).append(value)
+    return status, headers, body
 
 
 def request_bytes(target: str, header_lines: list[tuple[bytes, bytes]] | list[tuple[str, str]]) -> bytes:

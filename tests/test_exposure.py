@@ -23,7 +23,7 @@ from gateway.config import ConfigError, parse_config
 from gateway.proxy.protocol import request_parser
 from gateway.testing import config_from_yaml, running_gateway
 from tests.processes import GatewayProcess, run_cli
-from tests.test_proxy import raw_exchange
+from tests.raw_client import raw_exchange
 
 ROUTE = "routes:\n  - match: {path: /}\n    upstream: http://127.0.0.1:9000\n"
 TOKEN = "adm1n-t0ken-5f0c2e9a"

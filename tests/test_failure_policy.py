@@ -6,7 +6,6 @@ most once a second, and /readyz reports the store's state."""
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import time

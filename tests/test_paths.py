@@ -22,7 +22,8 @@ from gateway.config import ConfigError, parse_config
 from gateway.config.model import DotSegments, EscapedSlashes, PathNormalization
 from gateway.testing import config_from_yaml, running_gateway
 from tests.processes import run_cli
-from tests.test_proxy import raw_exchange, values
+from tests.raw_client import raw_exchange, values
+from tests.upstream import serving
 
 # One knob changed from the default at a time; "default" is no `path_normalization` at all.
 SETTINGS = {
@@ -70,19 +71,12 @@ async def recorder():
     """A real aiohttp upstream that answers with, and records, the raw path it received."""
     seen: list[str] = []
 
-    async def record(request: web.Request) -> web.Response:
+    async def record(request: web.BaseRequest) -> web.Response:
         seen.append(request.raw_path)
         return web.json_response({"path": request.raw_path})
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", record)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", seen
-    finally:
-        await runner.cleanup()
+    async with serving(record) as url:
+        yield url, seen
 
 
 async def send(gw_url: str, target: str, method: str = "GET") -> tuple[int, str | None, dict]:

@@ -16,11 +16,9 @@ route charged. For every path Hypothesis builds, sent verbatim over a socket:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import socket
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -32,6 +30,7 @@ from gateway.proxy.paths import PathRejected, normalize_path
 from gateway.proxy.routing import Router
 from gateway.testing import config_from_yaml
 from tests.processes import GatewayProcess
+from tests.upstream import serving_in_a_thread
 
 FUZZ_CONFIG = """
 limits:
@@ -83,29 +82,12 @@ def recorder_in_a_thread() -> Iterator[tuple[str, list[str]]]:
     """A real aiohttp upstream on its own event loop; answers {raw, decoded} and records raw."""
     seen: list[str] = []
 
-    async def record(request: web.Request) -> web.Response:
+    async def record(request: web.BaseRequest) -> web.Response:
         seen.append(request.raw_path)
         return web.json_response({"raw": request.raw_path, "decoded": request.path})
 
-    async def start() -> web.AppRunner:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", record)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return runner
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    runner = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", seen
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+    with serving_in_a_thread(record) as url:
+        yield url, seen
 
 
 @pytest.fixture(

@@ -19,10 +19,10 @@ from yarl import URL
 
 from gateway.testing import running_gateway
 from tests.processes import free_port
+from tests.raw_client import RAW_TIMEOUT, raw_exchange, values
 from tests.scrape import scrape, value
-from tests.upstream import GZIP_TEXT
+from tests.upstream import GZIP_TEXT, serving
 
-RAW_TIMEOUT = 10.0
 
 
 def passthrough_config(upstream: str, **route: str) -> str:
@@ -35,42 +35,6 @@ routes:
   - match: {{path: /}}
     upstream: {upstream}{extra}
 """
-
-
-def _dechunk(body: bytes) -> bytes:
-    out = bytearray()
-    while True:
-        size_line, _, body = body.partition(b"\r\n")
-        size = int(size_line.split(b";")[0], 16)
-        if size == 0:
-            return bytes(out)
-        out += body[:size]
-        body = body[size + 2 :]
-
-
-async def raw_exchange(url: str, request: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
-    """Send `request` verbatim (it must ask for Connection: close) and read the whole answer.
-    Returns the status, every header line in order, and the body with chunked framing removed."""
-    target = URL(url)
-    reader, writer = await asyncio.open_connection(target.host, target.port)
-    try:
-        writer.write(request)
-        await writer.drain()
-        data = await asyncio.wait_for(reader.read(), RAW_TIMEOUT)
-    finally:
-        writer.close()
-        await writer.wait_closed()
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    headers = [(name.strip(), value.strip()) for name, _, value in (line.partition(":") for line in lines[1:])]
-    if any(n.lower() == "transfer-encoding" and "chunked" in v.lower() for n, v in headers):
-        body = _dechunk(body)
-    return status, headers, body
-
-
-def values(headers: list[tuple[str, str]], name: str) -> list[str]:
-    return [v for n, v in headers if n.lower() == name.lower()]
 
 
 def seen_headers(echo: dict, name: str) -> list[str]:
@@ -293,19 +257,12 @@ async def decoy():
     """A server the gateway must never contact; counts every request it gets."""
     hits: list[str] = []
 
-    async def record(request: web.Request) -> web.Response:
+    async def record(request: web.BaseRequest) -> web.Response:
         hits.append(request.raw_path)
         return web.Response(text="decoy")
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", record)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield f"127.0.0.1:{runner.addresses[0][1]}", hits
-    finally:
-        await runner.cleanup()
+    async with serving(record) as url:
+        yield url.removeprefix("http://"), hits
 
 
 async def test_an_absolute_form_request_target_goes_to_the_routes_upstream(gw, decoy):

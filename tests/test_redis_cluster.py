@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from gateway.limiter.keys import bucket_key, identity_digest
-from gateway.limiter.redis_cluster import SLOT_COUNT, key_slot, parse_redirect
+from gateway.limiter.redis_cluster import key_slot, parse_redirect
 from tests.processes import GatewayProcess, RedisCluster, eventually, free_cluster_port
 from tests.scrape import settled_decisions
 

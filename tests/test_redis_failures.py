@@ -19,7 +19,7 @@ import pytest
 
 from gateway.config.model import Limit, StoreConfig
 from gateway.limiter.redis_store import RedisStore
-from gateway.limiter.store import LimitCheck, StoreDecision, StoreError
+from gateway.limiter.store import LimitCheck, StoreError
 from gateway.testing import config_from_yaml, running_gateway
 from tests.processes import RedisServer
 

@@ -18,7 +18,7 @@ from gateway.limiter.redis_store import redacted
 from gateway.testing import running_gateway
 from tests.processes import GatewayProcess, free_port
 from tests.scrape import scrape, value
-from tests.test_proxy import raw_exchange, values
+from tests.raw_client import raw_exchange, values
 
 KEY = "sekrit-key-77c1"
 

@@ -9,11 +9,9 @@ synchronously) that answers `ok` and repeats nothing either."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import socket
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -23,6 +21,7 @@ from hypothesis import strategies as st
 from aiohttp import web
 
 from tests.processes import GatewayProcess
+from tests.upstream import serving_in_a_thread
 
 # A marker in every piece the client controls; it must never come back from the gateway.
 MARK = b"Zq7"
@@ -82,23 +81,8 @@ def upstream_in_a_thread() -> Iterator[str]:
         await request.read()
         return web.Response(text="ok", headers={"X-Upstream": "1"})
 
-    async def start() -> web.ServerRunner:
-        runner = web.ServerRunner(web.Server(ok), access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return runner
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    runner = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+    with serving_in_a_thread(ok) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from aiohttp import web
 from yarl import URL
 
 from gateway.testing import running_gateway
+from tests.upstream import serving
 
 PROBE_TIMEOUT = 10.0
 CONCURRENCY = 16
@@ -160,14 +161,8 @@ async def counting_upstream():
         seen.append(request.path)
         return web.Response(text="ok", headers={"X-Counted": "1"})
 
-    server = web.Server(count)
-    runner = web.ServerRunner(server, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", seen
-    finally:
-        await runner.cleanup()
+    async with serving(count) as url:
+        yield url, seen
 
 
 async def test_the_upstream_counts_exactly_the_requests_the_gateway_accepted(counting_upstream):

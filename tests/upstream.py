@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 from aiohttp import web
 
@@ -170,3 +171,48 @@ async def running_upstream() -> AsyncIterator[str]:
     finally:
         await runner.cleanup()
 
+
+
+Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+
+
+@contextlib.asynccontextmanager
+async def serving(handler: Handler) -> AsyncIterator[str]:
+    """`handler` behind aiohttp's low-level server (no router: it is handed every request,
+    with no 404, 405 or 417 of aiohttp's own), in the running event loop; yields its URL."""
+    runner = web.ServerRunner(web.Server(handler), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.contextmanager
+def serving_in_a_thread(handler: Handler) -> Iterator[str]:
+    """`serving`, on an event loop of its own in a thread: for synchronous tests
+    (Hypothesis) that drive a gateway process while the upstream answers."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    started = asyncio.Event()
+    stop: asyncio.Future[None] = loop.create_future()
+    urls: list[str] = []
+
+    async def serve() -> None:
+        async with serving(handler) as url:
+            urls.append(url)
+            started.set()
+            await stop
+
+    serve_done = asyncio.run_coroutine_threadsafe(serve(), loop)
+    try:
+        asyncio.run_coroutine_threadsafe(started.wait(), loop).result(10)
+        yield urls[0]
+    finally:
+        loop.call_soon_threadsafe(stop.set_result, None)
+        serve_done.result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

@@ -202,15 +202,19 @@ class ClientIdentity:
 
 
 def _single_header(request: web.BaseRequest, name: str, shown: str) -> str | None:
-    values = request.headers.getall(name, ())
+    return _only(request.headers.getall(name, ()), f"The {shown} header") or None
+
+
+def _only(values: Sequence[str], shown: str) -> str | None:
+    """The one value given, checked to be visible ASCII; None when there is none."""
     if not values:
         return None
     if len(values) > 1:
-        raise _given_twice(f"The {shown} header")
+        raise _given_twice(shown)
     value = values[0]
     if value and not _visible(value):
-        raise _not_visible(f"The {shown} header")
-    return value or None
+        raise _not_visible(shown)
+    return value
 
 
 def _value(request: web.BaseRequest, source: IdentitySource) -> str | None:
@@ -222,14 +226,9 @@ def _value(request: web.BaseRequest, source: IdentitySource) -> str | None:
             # Raw bytes outside ASCII are re-encoded on the way out: `?\x80key=a` has no `key`
             # here, but may have one at the upstream.
             raise _not_visible("The query string")
-        values = request.rel_url.query.getall(source.name, ())
-        if not values:
+        value = _only(request.rel_url.query.getall(source.name, ()), f"The query parameter {source.name!r}")
+        if value is None:
             return None
-        if len(values) > 1:
-            raise _given_twice(f"The query parameter {source.name!r}")
-        value = values[0]
-        if value and not _visible(value):
-            raise _not_visible(f"The query parameter {source.name!r}")
         if ";" in value:
             # Some servers split a query on ";" too, and would read a different value.
             raise IdentityRejected(f"The query parameter {source.name!r} contains ';'.")
