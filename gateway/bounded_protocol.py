@@ -52,6 +52,12 @@ _REQUEST_LINE_FRAMING = 12
 _HEADER_LINE_FRAMING = 4
 _END_OF_HEAD = b"\r\n\r\n"
 _CLOSE = {"Connection": "close"}
+# After refusing a head, how long its connection is read (and the bytes dropped) before it
+# closes. Closing with a client's bytes unread makes the kernel send a reset, which can
+# destroy the 408 or 431 before the client reads it; nginx lingers the same way (its
+# lingering_timeout is 5 s). The answer is followed by a FIN at once, so a client that
+# reads it sees the end straight away.
+LINGER_SECONDS = 2.0
 
 
 class ClientLimitExceeded(Exception):
@@ -96,6 +102,7 @@ class BoundedRequestHandler(RequestHandler):
         "_watchdog",
         "_watch_at",
         "_refused",
+        "_lingering",
     )
 
     def __init__(self, manager: web.Server, *, limits: ClientLimits, **kwargs: Any) -> None:
@@ -109,6 +116,7 @@ class BoundedRequestHandler(RequestHandler):
         self._watchdog: asyncio.TimerHandle | None = None
         self._watch_at = 0.0  # when the watchdog fires
         self._refused = False  # the last request is queued (an error, or the keepalive_requests-th): no new head is read
+        self._lingering: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -119,6 +127,8 @@ class BoundedRequestHandler(RequestHandler):
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
+        if self._lingering is not None and not self._lingering.done():
+            self._lingering.set_result(None)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -195,6 +205,7 @@ class BoundedRequestHandler(RequestHandler):
     def _refuse(self, error: ClientLimitExceeded, at: int) -> None:
         """Answer `error` after the requests queued before index `at`, and read nothing more."""
         self._refused = True
+        self._parser = None  # and drop the refused head now, not when the connection ends
         while len(self._messages) > at:
             self._messages.pop()
         self._messages.append((_ErrInfo(status=error.status, exc=error, message=error.detail), EMPTY_PAYLOAD))
@@ -206,12 +217,31 @@ class BoundedRequestHandler(RequestHandler):
         error = err_info.exc
         if isinstance(error, ClientLimitExceeded):
 
-            async def answer(_: web.BaseRequest) -> web.StreamResponse:
+            async def answer(request: web.BaseRequest) -> web.StreamResponse:
                 self.refused()
-                return error.response()
+                response = error.response()
+                await response.prepare(request)
+                await response.write_eof()
+                await self._linger()
+                return response
 
             return answer
         return super()._make_error_handler(err_info)
+
+    async def _linger(self) -> None:
+        """Send FIN after the answer, and drop what the client still sends until it closes,
+        at most LINGER_SECONDS; aiohttp closes the connection after that."""
+        transport = self.transport
+        if transport is None:
+            return
+        if transport.can_write_eof():  # not over TLS, which closes with its own alert
+            transport.write_eof()
+        self._lingering = self._loop.create_future()
+        try:
+            async with asyncio.timeout(LINGER_SECONDS):
+                await self._lingering
+        except TimeoutError:
+            pass
 
     def refused(self) -> None:
         """Called for each request refused before the proxy handler saw it: a place to count it."""
