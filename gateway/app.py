@@ -40,11 +40,22 @@ class Gateway:
         without routes builds and discards a 404 and rebuilds the middleware chain on every
         request, costing more than the rest of the gateway's own work on it. `kwargs` go to
         aiohttp's RequestHandler: access_log, access_log_class. PublicServer answers what the
-        parser refuses as problem+json and writes no Server banner."""
+        parser refuses as problem+json and writes no Server banner, and holds each connection
+        to `config.clients` (gateway.bounded_protocol).
+
+        Request bodies are never inflated (`auto_decompress=False`): a gzip body is the
+        upstream's to decode, and inflating it while its Content-Length went on unchanged
+        cut or hung it there. It passes byte for byte, as responses do."""
         # A request the parser refused has no method to trust: it is counted as OTHER, and
         # bound on first use like every other child, so /metrics shows it once it happens.
         refused = Children(self.metrics.requests, route=UNMATCHED_ROUTE, method="OTHER", status_class="4xx")
-        return PublicServer(self.handler.handle, refused=lambda: refused().inc(), **kwargs)
+        return PublicServer(
+            self.handler.handle,
+            limits=self.config.clients,
+            refused=lambda: refused().inc(),
+            auto_decompress=False,
+            **kwargs,
+        )
 
     async def start(self) -> None:
         try:

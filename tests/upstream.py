@@ -161,7 +161,8 @@ def upstream_app() -> web.Application:
 
 @contextlib.asynccontextmanager
 async def running_upstream() -> AsyncIterator[str]:
-    runner = web.AppRunner(upstream_app(), access_log=None, shutdown_timeout=0.1)
+    # auto_decompress=False: the echo shows a request body as it arrived on the wire, gzip or not.
+    runner = web.AppRunner(upstream_app(), access_log=None, shutdown_timeout=0.1, auto_decompress=False)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -19,6 +19,7 @@ import yaml
 
 from gateway.config import jwt_keys, tls
 from gateway.config.model import (
+    ClientLimits,
     DotSegments,
     EscapedSlashes,
     FailurePolicy,
@@ -36,7 +37,16 @@ from gateway.config.model import (
     StoreConfig,
     UpstreamTimeout,
 )
-from gateway.config.units import REDIS_PORT, Address, SENTINEL_PORT, parse_address, parse_duration, parse_rate, split_hosts
+from gateway.config.units import (
+    REDIS_PORT,
+    SENTINEL_PORT,
+    Address,
+    parse_address,
+    parse_duration,
+    parse_rate,
+    parse_size,
+    split_hosts,
+)
 
 # Envoy's rate-limit filter defaults to 20 ms; 10 ms leaves a same-zone Redis
 # (~0.2 ms round trip) fifty times its usual latency before a request pays for it.
@@ -54,6 +64,20 @@ DEFAULT_SHUTDOWN_GRACE = "20s"
 DEFAULT_MAX_IN_FLIGHT = 1024  # per process; wrk: req/s flat from 100 to 2000 in flight, falling by 4000, so ~0.5 s of queue
 DEFAULT_CONNECT_TIMEOUT = "5s"
 DEFAULT_READ_TIMEOUT = "60s"
+# A request waits this long for a free connection to its upstream before a 503: a
+# saturated upstream answers at once that it is, instead of queueing clients unboundedly.
+DEFAULT_QUEUE_TIMEOUT = "1s"
+# nginx's defaults: client_header_timeout, client_body_timeout, keepalive_timeout, keepalive_requests.
+DEFAULT_CLIENT_HEADER_TIMEOUT = "60s"
+DEFAULT_CLIENT_BODY_TIMEOUT = "60s"
+DEFAULT_KEEPALIVE_TIMEOUT = "75s"
+DEFAULT_KEEPALIVE_REQUESTS = 1000
+# The request line and all header lines together. nginx's effective cap is 4 buffers of
+# 8 KiB (large_client_header_buffers), Node's 16 KiB, Tomcat's 8 KiB; 32 KiB leaves room
+# for large cookies and tokens, and 300 unfinished heads then hold ~10 MB, not 400 MB.
+DEFAULT_MAX_HEADER_SIZE = "32KiB"
+# Connections per upstream and worker process (aiohttp's default of 100 queues the rest).
+DEFAULT_UPSTREAM_CONNECTIONS = 1000
 STORE_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
 IDENTITY_KINDS = ("header", "query", "cookie", "jwt")
 # Headers an identity may not be read from: hop-by-hop fields never reach the upstream, and
@@ -247,6 +271,8 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         optional=(
             "listen", "admin_listen", "workers", "max_in_flight", "store", "trusted_proxies", "limits",
             "shutdown_grace", "forwarded_headers", "jwt", "path_normalization", "admin_token_env",
+            "client_header_timeout", "client_body_timeout", "keepalive_timeout", "keepalive_requests",
+            "max_header_size", "upstream_connections",
         ),
     )
     listen, listen_tls = _listen(top.get("listen", DEFAULT_LISTEN), r)
@@ -306,6 +332,24 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         path_normalization=_path_normalization(top.get("path_normalization", {}), r),
         listen_tls=listen_tls,
         admin_token=_admin_token(top.get("admin_token_env"), r, environ),
+        clients=ClientLimits(
+            header_timeout=r.parsed(
+                parse_duration, top.get("client_header_timeout", DEFAULT_CLIENT_HEADER_TIMEOUT), "client_header_timeout"
+            ),
+            body_timeout=r.parsed(
+                parse_duration, top.get("client_body_timeout", DEFAULT_CLIENT_BODY_TIMEOUT), "client_body_timeout"
+            ),
+            keepalive_timeout=r.parsed(
+                parse_duration, top.get("keepalive_timeout", DEFAULT_KEEPALIVE_TIMEOUT), "keepalive_timeout"
+            ),
+            keepalive_requests=r.integer(
+                top.get("keepalive_requests", DEFAULT_KEEPALIVE_REQUESTS), "keepalive_requests", minimum=1
+            ),
+            max_header_size=r.parsed(parse_size, top.get("max_header_size", DEFAULT_MAX_HEADER_SIZE), "max_header_size"),
+        ),
+        upstream_connections=r.integer(
+            top.get("upstream_connections", DEFAULT_UPSTREAM_CONNECTIONS), "upstream_connections", minimum=1
+        ),
     )
 
 
@@ -533,7 +577,10 @@ def _identity(value: Any, path: str, r: _Reader) -> IdentitySource:
 
 def _route(doc: Any, path: str, limits: Mapping[str, Limit], r: _Reader) -> Route:
     spec = r.mapping(
-        doc, path, required=("match", "upstream"), optional=("limits", "strip_prefix", "preserve_host", "allow_path_parameters", "timeout")
+        doc,
+        path,
+        required=("match", "upstream"),
+        optional=("limits", "strip_prefix", "preserve_host", "allow_path_parameters", "timeout", "max_body_size"),
     )
     match = _match(spec["match"], f"{path}.match", r)
     upstream = r.string(spec["upstream"], f"{path}.upstream")
@@ -559,11 +606,13 @@ def _route(doc: Any, path: str, limits: Mapping[str, Limit], r: _Reader) -> Rout
                 f"limit {rl.limit.name!r} reads header:Host, which this route replaces with the upstream's host; "
                 "set preserve_host: true",
             )
-    timeout_doc = r.mapping(spec.get("timeout", {}), f"{path}.timeout", optional=("connect", "read"))
+    timeout_doc = r.mapping(spec.get("timeout", {}), f"{path}.timeout", optional=("connect", "read", "queue"))
     timeout = UpstreamTimeout(
         connect=r.parsed(parse_duration, timeout_doc.get("connect", DEFAULT_CONNECT_TIMEOUT), f"{path}.timeout.connect"),
         read=r.parsed(parse_duration, timeout_doc.get("read", DEFAULT_READ_TIMEOUT), f"{path}.timeout.read"),
+        queue=r.parsed(parse_duration, timeout_doc.get("queue", DEFAULT_QUEUE_TIMEOUT), f"{path}.timeout.queue"),
     )
+    max_body_size = spec.get("max_body_size")
     return Route(
         match=match,
         upstream=upstream.rstrip("/"),
@@ -572,6 +621,7 @@ def _route(doc: Any, path: str, limits: Mapping[str, Limit], r: _Reader) -> Rout
         preserve_host=preserve_host,
         timeout=timeout,
         allow_path_parameters=r.boolean(spec.get("allow_path_parameters", False), f"{path}.allow_path_parameters"),
+        max_body_size=r.parsed(parse_size, max_body_size, f"{path}.max_body_size") if max_body_size is not None else None,
     )
 
 

@@ -124,6 +124,7 @@ class Match:
 class UpstreamTimeout:
     connect: float
     read: float
+    queue: float = 1.0  # waiting for a free connection to the upstream; exceeded gives 503
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,12 +136,25 @@ class Route:
     preserve_host: bool
     timeout: UpstreamTimeout
     allow_path_parameters: bool = False  # `;` parameters in the path; refused with 400 otherwise
+    max_body_size: int | None = None  # bytes of request body; more is refused with 413, before the upstream hears of it
 
     @property
     def label(self) -> str:
         """The route's name in metrics: its prefix and methods, never anything a client chose."""
         methods = " " + ",".join(sorted(self.match.methods)) if self.match.methods else ""
         return f"{self.match.host or ''}{self.match.path}{methods}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientLimits:
+    """What one client connection may hold of the gateway (see gateway.bounded_protocol).
+    The defaults are nginx's where it has one."""
+
+    header_timeout: float = 60.0  # a request head must arrive whole within this of its first byte
+    body_timeout: float = 60.0  # the longest wait between two reads of a request body
+    keepalive_timeout: float = 75.0  # an idle connection between requests is closed after this
+    keepalive_requests: int = 1000  # requests served on one connection before it is closed
+    max_header_size: int = 32 * 1024  # request line and header lines together; more gets 431
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,3 +196,5 @@ class GatewayConfig:
     listen_tls: ListenTls | None = None  # serve the public listener over TLS
     # A bearer token /metrics and /readyz require, read from the environment at load; never shown.
     admin_token: str | None = field(default=None, repr=False)
+    clients: ClientLimits = ClientLimits()
+    upstream_connections: int = 1000  # per upstream and worker process; more requests wait up to timeout.queue

@@ -1,4 +1,4 @@
-"""Parsers for the small value languages inside the YAML: rates, durations, addresses.
+"""Parsers for the small value languages inside the YAML: rates, durations, sizes, addresses.
 
 Each parser takes the raw YAML scalar and returns a typed value or raises
 ValueError with a message that says what was expected. The caller adds the
@@ -15,6 +15,8 @@ _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _PERIOD_WORDS = {"second": 1.0, "minute": 60.0, "hour": 3600.0, "day": 86400.0}
 # ASCII only: \d would otherwise accept digits such as '٣' or '²'.
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$", re.ASCII)
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$", re.ASCII)
+_UNIT_BYTES = {None: 1, "B": 1, "KB": 1000, "KiB": 1024, "MB": 1000**2, "MiB": 1024**2, "GB": 1000**3, "GiB": 1024**3}
 _RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(\S+)\s*$", re.ASCII)
 
 
@@ -51,6 +53,20 @@ def parse_duration(value: object) -> float:
     if seconds <= 0:
         raise ValueError(f"expected a duration greater than zero, got {value!r}")
     return seconds
+
+
+def parse_size(value: object) -> int:
+    """'32KiB', '1MB', '10MiB', '512B', or a whole number of bytes -> bytes."""
+    expected = "expected a size such as 32KiB, 1MB or 10MiB (or a number of bytes)"
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{expected}, got {value!r}")
+    match = _SIZE_RE.match(str(value))
+    if not match:
+        raise ValueError(f"{expected}, got {value!r}")
+    size = int(match.group(1)) * _UNIT_BYTES[match.group(2)]
+    if size <= 0:
+        raise ValueError(f"expected a size greater than zero, got {value!r}")
+    return size
 
 
 def parse_rate(value: object) -> Rate:

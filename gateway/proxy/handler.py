@@ -3,8 +3,12 @@
 Knows nothing of Redis: it asks `Limiter.check` for a decision. Trusts the
 config; trusts nothing in the request. The upstream contacted always comes
 from the matched route, never from the request target or the Host header.
-Bodies stream both ways in chunks and are never held whole. aiohttp client
-errors are translated here: a refused or failed upstream is 502, a slow one 504.
+Bodies stream both ways in chunks and are never held whole, except that a
+request body still arriving is read ahead up to 64 KiB (a chunked one up to the
+route's max_body_size) before an upstream connection is taken, so a client that
+trickles its body holds none. aiohttp client errors are translated here: a
+refused or failed upstream is 502, a slow one 504; no free upstream connection
+within timeout.queue is 503.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
@@ -19,6 +24,7 @@ from aiohttp.http import HttpVersion11
 from multidict import CIMultiDict
 from yarl import URL
 
+from gateway.bounded_protocol import ClientLimitExceeded
 from gateway.config.model import GatewayConfig
 from gateway.limiter.limiter import DENY, FAIL_CLOSED, FAIL_LOCAL, UNLIMITED, Decision, Limiter
 from gateway.limiter.store import LimitCheck
@@ -30,15 +36,21 @@ from gateway.proxy.problem import problem, problem_response
 from gateway.proxy.protocol import request_line_problem
 from gateway.proxy.ratelimit_headers import ratelimit_headers, retry_after_seconds
 from gateway.proxy.route_plan import Plans, RoutePlan, compile_plans
+from gateway.proxy.upstream_slots import UpstreamSlots
 from gateway.proxy.websocket import is_websocket_upgrade, proxy_websocket
 
 log = logging.getLogger(__name__)
 
+# A request body as forwarded: as it streams, whole, or read ahead and then streaming.
+_Body = aiohttp.StreamReader | bytes | AsyncIterator[bytes] | None
+
 # Big enough to keep syscalls few, small enough that many streams stay within a
 # modest RSS: 1000 concurrent streams hold at most ~64 MB of chunks.
 STREAM_CHUNK_BYTES = 64 * 1024
-# Connections kept per upstream; aiohttp's default of 100 queues the rest.
-UPSTREAM_CONNECTION_LIMIT = 1000
+# A request body still arriving is read ahead up to this before an upstream connection is
+# taken (nginx buffers request bodies too, 16 KiB in memory); larger bodies then stream.
+# 1,000 requests reading ahead hold at most ~64 MB.
+REQUEST_BUFFER_BYTES = 64 * 1024
 _RETRY_AFTER_ONE = {"Retry-After": "1"}  # shared safely: a Response copies the headers it is given
 
 
@@ -49,12 +61,16 @@ class ProxyHandler:
         self._limiter = limiter
         self._metrics = metrics
         self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._connections = config.upstream_connections
+        self._slots = {upstream: UpstreamSlots(self._connections) for upstream in self._plans.upstreams}
         self._in_flight = 0  # requests in handle() now, this one included
 
     async def start(self) -> None:
         for upstream in self._plans.upstreams:
             self._sessions[upstream] = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=UPSTREAM_CONNECTION_LIMIT, ttl_dns_cache=60),
+                # Requests wait for a slot in UpstreamSlots, boundedly; the connector's own
+                # limit, the same, only ever queues WebSockets, which hold no slot.
+                connector=aiohttp.TCPConnector(limit=self._connections, ttl_dns_cache=60),
                 auto_decompress=False,
                 cookie_jar=aiohttp.DummyCookieJar(),
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
@@ -109,6 +125,9 @@ class ProxyHandler:
                 self._metrics.shed.inc()
                 response = problem_response(503, plans.shed, headers=_RETRY_AFTER_ONE)
                 return response
+            if plan.max_body_size is not None and (request.content_length or 0) > plan.max_body_size:
+                response = _body_too_large(plan)  # the declared length says so: nothing is read or charged
+                return response
             response = await self._limited(request, plan, plans, path)
             return response
         finally:
@@ -130,7 +149,30 @@ class ProxyHandler:
         headers = _forward_headers(request, plan, plans)
         if is_websocket_upgrade(request):
             return await proxy_websocket(request, self._sessions[plan.upstream], url, headers, limit_headers)
-        return await self._forward(request, plan, url, headers, limit_headers)
+        body: _Body = request.content if request.body_exists else None
+        try:
+            if body is not None and plan.max_body_size is not None and request.content_length is None:
+                # A chunked body declares no length: it is read whole, up to the cap,
+                # so a body over the cap never reaches the upstream.
+                body = await _read_ahead(request.content, plan.max_body_size, cap=True)
+                if body is None:
+                    return _body_too_large(plan, limit_headers)
+            elif body is not None and not request.content.is_eof():
+                # The body is still arriving: read it ahead before an upstream connection is
+                # taken, so a client that trickles it holds none (issue 8 §3). A body that
+                # arrived with its head, as most do, skips this.
+                body = await _read_ahead(request.content, REQUEST_BUFFER_BYTES, cap=False)
+        except ClientLimitExceeded as exc:
+            return exc.response()  # client_body_timeout
+        except ConnectionError:
+            return problem(400, "Bad Request", "The connection closed before the request body ended.")
+        slots = self._slots[plan.upstream]
+        if not slots.try_take() and not await slots.take(plan.queue_timeout):
+            return problem_response(503, plan.queue_full, headers={**limit_headers, **_RETRY_AFTER_ONE})
+        try:
+            return await self._forward(request, plan, url, headers, limit_headers, body)
+        finally:
+            slots.give_back()
 
     async def _decide(self, request: web.BaseRequest, plan: RoutePlan, identity: ClientIdentity) -> Decision:
         if not plan.limits:
@@ -154,6 +196,7 @@ class ProxyHandler:
         url: URL,
         headers: CIMultiDict[str],
         limit_headers: dict[str, str],
+        body: _Body,
     ) -> web.StreamResponse:
         session = self._sessions[plan.upstream]
         sent = time.perf_counter()
@@ -162,7 +205,7 @@ class ProxyHandler:
                 request.method,
                 url,
                 headers=headers,
-                data=request.content if request.body_exists else None,
+                data=body,
                 allow_redirects=False,
                 timeout=plan.timeout,
                 compress=None,
@@ -194,12 +237,18 @@ class ProxyHandler:
                 return response
         # Every response on a limited route carries the RateLimit fields, errors included.
         except asyncio.TimeoutError:
+            stalled = request.content.exception()
+            if isinstance(stalled, ClientLimitExceeded):
+                return stalled.response()
             return problem_response(504, plan.upstream_timeout, headers=limit_headers)
         # The client learns what failed, never where: the upstream's address stays in the log.
         except aiohttp.ClientConnectorError as exc:
             log.warning("cannot connect to upstream %s: %s", plan.upstream, exc.os_error.strerror or exc)
             return problem(502, "Bad Gateway", "Cannot connect to the upstream.", headers=limit_headers)
         except aiohttp.ClientError as exc:
+            stalled = request.content.exception()
+            if isinstance(stalled, ClientLimitExceeded):
+                return stalled.response()  # the client's body stalled (client_body_timeout), not the upstream
             log.warning("upstream %s failed: %s: %s", plan.upstream, type(exc).__name__, exc)
             return problem(502, "Bad Gateway", "The upstream failed.", headers=limit_headers)
 
@@ -226,6 +275,35 @@ async def _expectation(request: web.BaseRequest) -> web.Response | None:
     request.writer.output_size = 0  # the interim response is not part of the response's size
     await request.writer.drain()
     return None
+
+
+def _body_too_large(plan: RoutePlan, headers: dict[str, str] | None = None) -> web.Response:
+    response = problem_response(413, plan.body_too_large, headers=headers)
+    response.force_close()  # the rest of the body is never read
+    return response
+
+
+async def _read_ahead(content: aiohttp.StreamReader, limit: int, *, cap: bool) -> _Body:
+    """Read the body until it ends or passes `limit` bytes. A body that ended is returned
+    whole. Past the limit: None with `cap` (a body too large), or else the bytes read so far
+    followed by the rest as it streams in."""
+    parts: list[bytes] = []
+    size = 0
+    while size <= limit:
+        chunk = await content.readany()
+        if not chunk:
+            return b"".join(parts)
+        size += len(chunk)
+        parts.append(chunk)
+    return None if cap else _stream_on(parts, content)
+
+
+async def _stream_on(parts: list[bytes], content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    for part in parts:
+        yield part
+    parts.clear()
+    async for chunk in content.iter_chunked(STREAM_CHUNK_BYTES):
+        yield chunk
 
 
 def _rejection(plan: RoutePlan, decision: Decision, limit_headers: dict[str, str]) -> web.Response:

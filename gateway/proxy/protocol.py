@@ -35,6 +35,7 @@ from aiohttp.http_exceptions import (
 from aiohttp import web_protocol
 from aiohttp.web_protocol import RequestHandler
 
+from gateway.bounded_protocol import BoundedRequestHandler, BoundedServer
 from gateway.proxy.problem import problem
 
 log = logging.getLogger("gateway.protocol")
@@ -106,7 +107,11 @@ class _UnsupportedVersionRequest(_Request):
     505 answering it is written as HTTP/1.1."""
 
 
-class _RequestHandler(RequestHandler):
+class _RequestHandler(BoundedRequestHandler):
+    def refused(self) -> None:
+        if self._manager is not None:
+            self._manager.refused()
+
     def handle_error(
         self,
         request: web.BaseRequest,
@@ -121,8 +126,7 @@ class _RequestHandler(RequestHandler):
             detail = "The gateway failed to handle this request."
         elif status == HTTPStatus.BAD_REQUEST:
             log.debug("refused a malformed request from %s: %s", request.remote, type(exc).__name__)
-            if self._manager is not None:
-                self._manager.refused()
+            self.refused()
             detail = next((text for kind, text in _PARSER_ERRORS if isinstance(exc, kind)), _MALFORMED)
         else:
             detail = HTTPStatus(status).description + "."
@@ -133,10 +137,13 @@ class _RequestHandler(RequestHandler):
         return response
 
 
-class PublicServer(web.Server):
-    """aiohttp's low-level server, speaking through the handler and request classes above.
-    `refused` is called for each request the parser refused, which the proxy handler never
-    sees, so that the metrics count it."""
+class PublicServer(BoundedServer):
+    """aiohttp's low-level server, speaking through the handler and request classes above,
+    each connection bounded by `limits` (gateway.bounded_protocol). `refused` is called for
+    each request the parser or those bounds refused, which the proxy handler never sees, so
+    that the metrics count it."""
+
+    handler_class = _RequestHandler
 
     def __init__(self, handler: Any, *, refused: Callable[[], None] = lambda: None, **kwargs: Any) -> None:
         super().__init__(handler, request_factory=self._request, **kwargs)
@@ -149,6 +156,3 @@ class PublicServer(web.Server):
             return _Request(message, payload, protocol, writer, task, self._loop)
         message = message._replace(version=HttpVersion11, should_close=True)
         return _UnsupportedVersionRequest(message, payload, protocol, writer, task, self._loop)
-
-    def __call__(self) -> RequestHandler:
-        return _RequestHandler(self, loop=self._loop, **self._kwargs)

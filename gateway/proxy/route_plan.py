@@ -61,6 +61,10 @@ class RoutePlan:
     identity: RouteIdentity  # what the limits read, and the headers Connection may not name
     policies: tuple[str, ...]  # RateLimit-Policy of each limit, in order
     upstream_timeout: bytes  # the 504 body
+    max_body_size: int | None  # bytes of request body the route takes; more gets 413
+    body_too_large: bytes  # the 413 body
+    queue_timeout: float  # longest wait for a free connection to the upstream
+    queue_full: bytes  # the 503 body when none came free in time
     requests: Children  # gateway_requests_total for this route, by method and status class
     upstream_latency: Children
     # (status, limit names) -> body of a 429 or a fail-closed 503; one per subset of `limits` at most
@@ -140,6 +144,16 @@ def _route_plan(route: Route, metrics: Metrics) -> RoutePlan:
             504,
             "Gateway Timeout",
             f"The upstream did not answer in time (connect {timeout.connect:g} s, read {timeout.read:g} s).",
+        ),
+        max_body_size=route.max_body_size,
+        body_too_large=problem_body(
+            413, "Content Too Large", f"This route takes request bodies of {route.max_body_size} bytes at most."
+        ),
+        queue_timeout=timeout.queue,
+        queue_full=problem_body(
+            503,
+            "Service Unavailable",
+            f"No connection to the upstream came free within {timeout.queue:g} s; retry shortly.",
         ),
         requests=Children(metrics.requests, ("method", "status_class"), route=label),
         upstream_latency=Children(metrics.upstream_latency, route=label),
