@@ -109,6 +109,7 @@ class AdminApi:
                 "capacity": limit.burst,
                 "rate": limit.rate.text,
                 "full_in_seconds": reading.full_in,
+                "denied_here_for_seconds": self._limiter.denied_here_for(limit, identity),
                 "store": self._limiter.store.description,
             }
         )

@@ -79,6 +79,7 @@ async def test_inspect_and_reset_a_bucket_on_the_in_process_store(upstream, clie
     async with running_gateway(limits_config(upstream)) as gw:
         before, _, _ = await inspect_and_reset(client, gw)
     assert before["store"] == "in-process"
+    assert before["denied_here_for_seconds"] == 0  # no denial cache without a shared store
     assert API_KEY not in json.dumps(before)
 
 
@@ -98,11 +99,13 @@ async def test_a_reset_in_redis_deletes_the_key_and_clears_the_denial_cache(upst
         assert await statuses(client, gw.url, API_KEY, 3) == [200, 200, 429]
         assert len(gw.gateway.limiter.denials) == 1  # the third was answered here, not by Redis
         bucket = f"{gw.admin_url}/buckets/per_key?value={API_KEY}"
-        key = (await call(client, "GET", bucket, expect=200))["key"]
-        assert redis_server.client().exists(key) == 1
+        before = await call(client, "GET", bucket, expect=200)
+        assert 3500 < before["denied_here_for_seconds"] <= 3600
+        assert redis_server.client().exists(before["key"]) == 1
         await call(client, "DELETE", bucket, expect=200)
-        assert redis_server.client().exists(key) == 0
+        assert redis_server.client().exists(before["key"]) == 0
         assert len(gw.gateway.limiter.denials) == 0
+        assert (await call(client, "GET", bucket, expect=200))["denied_here_for_seconds"] == 0
         assert await statuses(client, gw.url, API_KEY, 3) == [200, 200, 429]
 
 
@@ -241,3 +244,12 @@ async def test_the_admin_api_is_404_on_the_public_listener(upstream, client, met
         # Nothing was reset: the public listener never reached the admin API.
         assert await statuses(client, gw.url, API_KEY, 1) == [429]
     assert answer["status"] == 404 and "per_key" not in json.dumps(answer)
+
+
+async def test_inspect_and_reset_answer_503_while_the_store_is_down(upstream, client):
+    redis_server = RedisServer()  # its port is chosen now; nothing listens there
+    store = f"store: {{url: '{redis_server.url}', timeout: 100ms}}"
+    async with running_gateway(limits_config(upstream, store)) as gw:
+        for method in ("GET", "DELETE"):
+            down = await call(client, method, f"{gw.admin_url}/buckets/per_key?value={API_KEY}", expect=503)
+            assert down["title"] == "Service Unavailable" and "store" in down["detail"]

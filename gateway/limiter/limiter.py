@@ -203,6 +203,12 @@ class Limiter:
         """The bucket of `limit` for `identity` as the store holds it. Raises StoreError."""
         return await self.store.read(limit, identity)
 
+    def denied_here_for(self, limit: Limit, identity: str) -> float:
+        """How long this process still answers that bucket's denial itself (0: it asks the store)."""
+        if self.denials is None:
+            return 0.0
+        return self.denials.held_for(limit.name, identity, time.monotonic())
+
     async def reset_bucket(self, limit: Limit, identity: str) -> bool:
         """Delete the bucket in the store, and then this process's cached denials of it,
         which would otherwise keep the client denied here until they ran out. Whether the
