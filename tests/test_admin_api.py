@@ -168,7 +168,7 @@ async def test_top_limited_lists_the_most_denied_clients_hashed(upstream, client
         top = await call(client, "GET", gw.admin_url + "/top-limited", expect=200)
         flooder = await call(client, "GET", gw.admin_url + "/buckets/per_key?value=flooder", expect=200)
         assert (await call(client, "GET", gw.admin_url + "/top-limited?n=1", expect=200))["clients"] == top["clients"][:1]
-        for bad in ("0", "-1", "x", "100000"):
+        for bad in ("0", "-1", "x", "100000", "%C2%B2", "9" * 5000, ""):
             await call(client, "GET", gw.admin_url + f"/top-limited?n={bad}", expect=400)
     assert top["identities"] == "hashed" and top["window_seconds"] == 60
     assert [(c["limit"], c["denials"], c["error"]) for c in top["clients"]] == [("per_key", 10, 0), ("per_key", 2, 0)]
@@ -253,3 +253,22 @@ async def test_inspect_and_reset_answer_503_while_the_store_is_down(upstream, cl
         for method in ("GET", "DELETE"):
             down = await call(client, method, f"{gw.admin_url}/buckets/per_key?value={API_KEY}", expect=503)
             assert down["title"] == "Service Unavailable" and "store" in down["detail"]
+
+
+async def test_a_reset_while_the_store_is_down_frees_the_client_from_the_local_stand_in(upstream, client):
+    redis_server = RedisServer()  # nothing listens: every check falls back to the local bucket
+    config = f"""
+store: {{url: '{redis_server.url}', timeout: 100ms, local_divisor: 1}}
+limits:
+  per_key: {{rate: 1/hour, burst: 2, key: header:X-Api-Key, on_store_error: local}}
+routes:
+  - match: {{path: /api}}
+    upstream: {upstream}
+    limits: [per_key]
+"""
+    async with running_gateway(config) as gw:
+        assert await statuses(client, gw.url, API_KEY, 3) == [200, 200, 429]
+        await call(client, "DELETE", f"{gw.admin_url}/buckets/per_key?value={API_KEY}", expect=503)
+        assert await statuses(client, gw.url, API_KEY, 3) == [200, 200, 429]
+        top = await call(client, "GET", gw.admin_url + "/top-limited", expect=200)
+    assert [(c["limit"], c["denials"]) for c in top["clients"]] == [("per_key", 2)]  # local denials count too

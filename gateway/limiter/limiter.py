@@ -212,7 +212,10 @@ class Limiter:
     async def reset_bucket(self, limit: Limit, identity: str) -> bool:
         """Delete the bucket in the store, and then this process's cached denials of it,
         which would otherwise keep the client denied here until they ran out. Whether the
-        store held the bucket. Raises StoreError, and then nothing is forgotten."""
+        store held the bucket. The in-process stand-in of `on_store_error: local` is reset
+        first, so a reset while the store is down still frees the client here; then
+        StoreError is raised, and the cached denials stay, as does the store's bucket."""
+        await self._local_store.delete(limit, identity)  # bucket ids ignore the stand-in's cost
         held = await self.store.delete(limit, identity)
         if self.denials is not None:
             self.denials.forget(limit.name, identity)
