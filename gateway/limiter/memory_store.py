@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from gateway.limiter import bucket
-from gateway.limiter.keys import identity_digest
+from gateway.limiter.keys import bucket_key, identity_digest
 from gateway.config.model import Limit
 from gateway.limiter.store import BucketReading, LimitCheck, StoreDecision
 
@@ -69,7 +69,7 @@ class MemoryStore:
         now = self._clock()
         bucket_id = (limit.name, identity_digest(self._secret, identity))
         held = self._buckets.get(bucket_id)
-        return reading(bucket_id[1], limit, held[0] if held else None, now)
+        return reading(bucket_key("", limit.name, bucket_id[1]), limit, held[0] if held else None, now)
 
     async def delete(self, limit: Limit, identity: str) -> bool:
         # Its expiry entry stays, and is skipped when it comes due (`_forget_full`).
