@@ -43,7 +43,7 @@ class StoreDecision:
 class BucketReading:
     """One bucket as the store holds it now, for the admin API."""
 
-    key: str  # where the store keeps it: the Redis key, or `{limit}:{{digest}}` in process
+    key: str  # where the store keeps it: the Redis key, or "LIMIT:{DIGEST}" in process
     held: bool  # False: never charged, or refilled and forgotten; then it is full
     tokens: float  # as refilled up to now
     full_in: float  # seconds until it is full again, left alone
