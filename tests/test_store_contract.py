@@ -180,3 +180,21 @@ async def test_remaining_is_reported_per_limit_in_order(store: Store):
     decision = await store.check([check("per-minute", cost=2), check("per-ip", cost=0)])
     assert decision.allowed
     assert decision.remaining == pytest.approx((0, 7), abs=0.1)  # 6/minute refills 0.1 in a second
+
+
+async def test_a_bucket_is_read_without_charging_it_and_deleted_back_to_full(store: Store):
+    limit = LIMITS["per-ip"]
+    fresh = await store.read(limit, "ip=192.0.2.1")
+    assert (fresh.held, fresh.tokens, fresh.full_in) == (False, 10, 0)
+    for _ in range(3):
+        await store.check([check("per-ip")])
+    for _ in range(2):  # reading twice charges nothing
+        held = await store.read(limit, "ip=192.0.2.1")
+        assert held.held is True and held.tokens == pytest.approx(7, abs=DRIFT)
+        assert held.full_in == pytest.approx(3 * 3600, abs=60)
+    other = await store.read(LIMITS["per-key"], "ip=192.0.2.1")  # another limit, same identity
+    assert other.held is False and other.key != held.key
+    assert await store.delete(limit, "ip=192.0.2.1") is True
+    assert await store.delete(limit, "ip=192.0.2.1") is False
+    assert (await store.read(limit, "ip=192.0.2.1")).held is False
+    assert (await store.check([check("per-ip")])).remaining == approx(9)

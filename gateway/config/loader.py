@@ -271,6 +271,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         optional=(
             "listen", "admin_listen", "workers", "max_in_flight", "store", "trusted_proxies", "limits",
             "shutdown_grace", "forwarded_headers", "jwt", "path_normalization", "admin_token_env",
+            "admin_raw_identities",
             "client_header_timeout", "client_body_timeout", "keepalive_timeout", "keepalive_requests",
             "max_header_size", "upstream_connections",
         ),
@@ -332,6 +333,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         path_normalization=_path_normalization(top.get("path_normalization", {}), r),
         listen_tls=listen_tls,
         admin_token=_admin_token(top.get("admin_token_env"), r, environ),
+        admin_raw_identities=r.boolean(top.get("admin_raw_identities", False), "admin_raw_identities"),
         clients=ClientLimits(
             header_timeout=r.parsed(
                 parse_duration, top.get("client_header_timeout", DEFAULT_CLIENT_HEADER_TIMEOUT), "client_header_timeout"

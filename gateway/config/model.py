@@ -196,5 +196,8 @@ class GatewayConfig:
     listen_tls: ListenTls | None = None  # serve the public listener over TLS
     # A bearer token /metrics and /readyz require, read from the environment at load; never shown.
     admin_token: str | None = field(default=None, repr=False)
+    # The admin API's top limited clients show identities as sent ("header:x-api-key=...")
+    # instead of hashed. Off by default: they are often credentials.
+    admin_raw_identities: bool = False
     clients: ClientLimits = ClientLimits()
     upstream_connections: int = 1000  # per upstream and worker process; more requests wait up to timeout.queue

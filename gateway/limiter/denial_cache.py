@@ -87,6 +87,20 @@ class DenialCache:
             return CachedDenial(index=index, remaining=refilled, retry_after=until - now)
         return None
 
+    def held_for(self, limit_name: str, identity: str, now: float) -> float:
+        """How long the longest cached denial of one bucket, of any cost, still lasts; 0 if none.
+        Scans every entry: for the admin API, never the request path."""
+        ends = [entry[1] for key, entry in self._entries.items() if key[0] == limit_name and key[1] == identity]
+        return max([until - now for until in ends if until > now], default=0.0)
+
+    def forget(self, limit_name: str, identity: str) -> int:
+        """Drop the denials of one bucket, whatever their cost (the bucket was reset); how many.
+        Scans every entry: for the admin API, never the request path."""
+        doomed = [key for key in self._entries if key[0] == limit_name and key[1] == identity]
+        for key in doomed:
+            del self._entries[key]
+        return len(doomed)
+
     def record(self, check: LimitCheck, *, remaining: float, sent_at: float) -> None:
         """Remember that the store found this bucket short of its cost for a check sent at `sent_at`."""
         limit = check.limit

@@ -21,7 +21,8 @@ from gateway.limiter.circuit_breaker import BreakerState, CircuitBreaker
 from gateway.limiter.client_waves import ClientWaves
 from gateway.limiter.denial_cache import REFUNDING_STORE_MAX_HOLD, CachedDenial, DenialCache
 from gateway.limiter.memory_store import MemoryStore
-from gateway.limiter.store import LimitCheck, Store, StoreDecision, StoreError, StoreNotConnected
+from gateway.limiter.store import BucketReading, LimitCheck, Store, StoreDecision, StoreError, StoreNotConnected
+from gateway.limiter.top_limited import TopLimited
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,19 @@ class Limiter:
         self._local_store = MemoryStore()
         self._local_limits: dict[tuple[str, int], Limit] = {}
         self._last_failure_log = -FAILURE_LOG_INTERVAL
+        # (limit name, identity) of each denial, for the admin API's top limited clients.
+        self.top_limited = TopLimited(now=time.monotonic())
 
     async def check(self, checks: Sequence[LimitCheck]) -> Decision:
+        decision = await self._check(checks)
+        if not decision.allowed:  # an allowed request costs this one test
+            now = time.monotonic()
+            for c, status in zip(checks, decision.statuses):
+                if _limited(c, status):
+                    self.top_limited.add((c.limit.name, c.identity), now)
+        return decision
+
+    async def _check(self, checks: Sequence[LimitCheck]) -> Decision:
         if not checks:
             return UNLIMITED
         if self.denials is not None:
@@ -187,6 +199,28 @@ class Limiter:
             self._local_limits[(limit.name, cost)] = local
         return local
 
+    async def read_bucket(self, limit: Limit, identity: str) -> BucketReading:
+        """The bucket of `limit` for `identity` as the store holds it. Raises StoreError."""
+        return await self.store.read(limit, identity)
+
+    def denied_here_for(self, limit: Limit, identity: str) -> float:
+        """How long this process still answers that bucket's denial itself (0: it asks the store)."""
+        if self.denials is None:
+            return 0.0
+        return self.denials.held_for(limit.name, identity, time.monotonic())
+
+    async def reset_bucket(self, limit: Limit, identity: str) -> bool:
+        """Delete the bucket in the store, and then this process's cached denials of it,
+        which would otherwise keep the client denied here until they ran out. Whether the
+        store held the bucket. The in-process stand-in of `on_store_error: local` is reset
+        first, so a reset while the store is down still frees the client here; then
+        StoreError is raised, and the cached denials stay, as does the store's bucket."""
+        await self._local_store.delete(limit, identity)  # bucket ids ignore the stand-in's cost
+        held = await self.store.delete(limit, identity)
+        if self.denials is not None:
+            self.denials.forget(limit.name, identity)
+        return held
+
     async def store_reachable(self) -> tuple[bool, str]:
         """Whether the store answers now, and if not, why."""
         try:
@@ -194,6 +228,13 @@ class Limiter:
         except StoreError as exc:
             return False, str(exc)
         return True, "ok"
+
+
+def _limited(check: LimitCheck, status: LimitStatus) -> bool:
+    """Whether this limit denied the request: from the store, or from the local stand-in."""
+    if status.outcome == DENY:
+        return True
+    return status.outcome == FAIL_LOCAL and status.remaining is not None and status.remaining < check.cost
 
 
 def _decision(checks: Sequence[LimitCheck], answer: StoreDecision) -> Decision:

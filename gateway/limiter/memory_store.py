@@ -14,8 +14,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from gateway.limiter import bucket
-from gateway.limiter.keys import identity_digest
-from gateway.limiter.store import LimitCheck, StoreDecision
+from gateway.limiter.keys import bucket_key, identity_digest
+from gateway.config.model import Limit
+from gateway.limiter.store import BucketReading, LimitCheck, StoreDecision
 
 _BucketId = tuple[str, str]
 # Buckets examined for dropping per check: far more than a check can add, so memory
@@ -64,6 +65,16 @@ class MemoryStore:
                         heapq.heappush(self._expiry, (full_at, bucket_id))
         return StoreDecision(allowed=outcome.allowed, remaining=outcome.remaining, retry_after=outcome.retry_after)
 
+    async def read(self, limit: Limit, identity: str) -> BucketReading:
+        now = self._clock()
+        bucket_id = (limit.name, identity_digest(self._secret, identity))
+        held = self._buckets.get(bucket_id)
+        return reading(bucket_key("", limit.name, bucket_id[1]), limit, held[0] if held else None, now)
+
+    async def delete(self, limit: Limit, identity: str) -> bool:
+        # Its expiry entry stays, and is skipped when it comes due (`_forget_full`).
+        return self._buckets.pop((limit.name, identity_digest(self._secret, identity)), None) is not None
+
     def __len__(self) -> int:
         """How many buckets are held: the memory the store uses. Full ones are dropped first,
         so an idle store reports (and holds) nothing."""
@@ -81,3 +92,12 @@ class MemoryStore:
                 del self._buckets[bucket_id]
             else:  # charged again since: look again when it will be full
                 heapq.heappush(self._expiry, (held[1], bucket_id))
+
+
+def reading(key: str, limit: Limit, state: bucket.BucketState | None, now: float) -> BucketReading:
+    """A stored bucket state (None: none held) as refilled up to `now`."""
+    spec = bucket.BucketSpec(capacity=limit.burst, rate=limit.rate.per_second, cost=0)
+    current = bucket.refill(state, spec, now)
+    return BucketReading(
+        key=key, held=state is not None, tokens=current.tokens, full_in=bucket.seconds_until_full(current, spec, now)
+    )

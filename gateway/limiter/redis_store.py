@@ -30,11 +30,16 @@ from gateway.limiter.keys import bucket_key, identity_digest
 from gateway.limiter import redis_cluster, redis_sentinel
 from gateway.limiter.redis_cluster import RedisCluster, key_slot
 from gateway.limiter.redis_connection import RedisAddress, RedisConnection, RedisReplyError, parse_redis_url
-from gateway.limiter.store import LimitCheck, StoreDecision, StoreError
+from gateway.limiter import bucket
+from gateway.limiter.memory_store import reading
+from gateway.limiter.store import BucketReading, LimitCheck, StoreDecision, StoreError
 
 log = logging.getLogger(__name__)
 
 SCRIPT_NAME = "token_bucket.lua"
+# A bucket and Redis's clock in one atomic read, so the refill is computed as the
+# token-bucket script would (it is not on the request path: sent as EVAL each time).
+READ_SCRIPT = b"return {redis.call('HMGET', KEYS[1], 'tokens', 'ts'), redis.call('TIME')}"
 REFUND_SCRIPT_NAME = "token_refund.lua"
 # Gateways sharing a Redis share this identity-hashing secret unless key_secret is set.
 SECRET_KEY_SUFFIX = "identity-secret"
@@ -122,6 +127,26 @@ class RedisStore:
                     raise
         self._maybe_reread_secret()
         return decision
+
+    async def read(self, limit: Limit, identity: str) -> BucketReading:
+        key = await self._admin_key(limit, identity)
+        reply = await self._redis.execute(key_slot(key), b"EVAL", READ_SCRIPT, 1, key, timeout=self._setup_timeout)
+        try:
+            (tokens, stamp), (seconds, micros) = reply
+            now_ms = int(seconds) * 1000 + int(micros) / 1000
+            state = None if tokens is None or stamp is None else bucket.BucketState(float(tokens), float(stamp) / 1000)
+        except (TypeError, ValueError) as exc:
+            raise StoreError(f"unexpected bucket read reply {reply!r}") from exc
+        return reading(key, limit, state, now_ms / 1000)
+
+    async def delete(self, limit: Limit, identity: str) -> bool:
+        key = await self._admin_key(limit, identity)
+        return bool(await self._redis.execute(key_slot(key), b"DEL", key, timeout=self._setup_timeout))
+
+    async def _admin_key(self, limit: Limit, identity: str) -> str:
+        if self._secret is None:
+            await self._share_secret()
+        return self._keys([LimitCheck(limit=limit, identity=identity, cost=0)])[0]
 
     async def _check_slots(self, checks: Sequence[LimitCheck], keys: list[str]) -> StoreDecision:
         """A check across Redis Cluster slots: one script call per slot, in slot order.

@@ -39,6 +39,16 @@ class StoreDecision:
     retry_after: float  # seconds; 0 when allowed
 
 
+@dataclass(frozen=True, slots=True)
+class BucketReading:
+    """One bucket as the store holds it now, for the admin API."""
+
+    key: str  # where the store keeps it: the Redis key, or "LIMIT:{DIGEST}" in process
+    held: bool  # False: never charged, or refilled and forgotten; then it is full
+    tokens: float  # as refilled up to now
+    full_in: float  # seconds until it is full again, left alone
+
+
 class Store(Protocol):
     description: str  # for logs and /readyz, with any password removed
     # Whether a check may give back tokens it charged (a Redis Cluster check across
@@ -50,6 +60,12 @@ class Store(Protocol):
 
     async def check(self, checks: Sequence[LimitCheck]) -> StoreDecision:
         """Check all buckets and charge them all, or none. Raises StoreError."""
+
+    async def read(self, limit: Limit, identity: str) -> BucketReading:
+        """The bucket of `limit` for `identity` ("source=value"), without charging it. Raises StoreError."""
+
+    async def delete(self, limit: Limit, identity: str) -> bool:
+        """Forget that bucket, so it is full again; whether the store held it. Raises StoreError."""
 
     async def ping(self) -> None:
         """Raise StoreError unless the store answers now."""

@@ -1,0 +1,274 @@
+"""The admin API on the admin listener: inspect and reset a client's bucket (on the
+in-process store, one Redis and a Redis Cluster), the top limited clients, the
+effective config with its secrets redacted, the bearer token, and none of it on
+the public listener."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.testing import config_from_yaml, running_gateway
+from tests.processes import RedisCluster, RedisServer
+
+ADMIN_TOKEN = "admin-token-0123456789abcdef"
+API_KEY = "client-key-7d41"
+PROBLEM = "application/problem+json"
+
+
+def limits_config(upstream: str, store: str = "") -> str:
+    return f"""
+{store}
+limits:
+  per_key: {{rate: 1/hour, burst: 2, key: header:X-Api-Key}}
+  per_user: {{rate: 1/hour, burst: 5, key: [header:X-User, query:user]}}
+routes:
+  - match: {{path: /api}}
+    upstream: {upstream}
+    limits: [per_key]
+  - match: {{path: /users}}
+    upstream: {upstream}
+    limits: [per_user]
+"""
+
+
+async def call(client, method: str, url: str, *, expect: int, token: str | None = None) -> dict:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with client.request(method, url, headers=headers) as response:
+        body = await response.read()
+        assert response.status == expect, body
+        if expect >= 400:
+            assert response.headers["Content-Type"].split(";")[0] == PROBLEM
+        return json.loads(body)
+
+
+async def statuses(client, url: str, key: str, count: int) -> list[int]:
+    found = []
+    for _ in range(count):
+        async with client.get(url + "/api/x", headers={"X-Api-Key": key}) as response:
+            await response.read()
+            found.append(response.status)
+    return found
+
+
+async def inspect_and_reset(client, gw) -> tuple[dict, dict, dict]:
+    """Spend API_KEY's burst of 2 and get denied, inspect, reset, and pass again;
+    returns the bucket as inspected before the reset, the reset's answer, and after."""
+    assert await statuses(client, gw.url, API_KEY, 3) == [200, 200, 429]
+    bucket = f"{gw.admin_url}/buckets/per_key?value={API_KEY}"
+    before = await call(client, "GET", bucket, expect=200)
+    assert before["limit"] == "per_key" and before["source"] == "header:x-api-key"
+    assert before["held"] is True and before["tokens"] < 0.01 and before["capacity"] == 2
+    assert 3599 < before["full_in_seconds"] <= 3600 * 2
+    untouched = await call(client, "GET", f"{gw.admin_url}/buckets/per_key?value=someone-else", expect=200)
+    assert untouched["held"] is False and untouched["tokens"] == 2 and untouched["full_in_seconds"] == 0
+
+    reset = await call(client, "DELETE", bucket, expect=200)
+    assert reset["reset"] is True and reset["held"] is True
+    # The next request is decided afresh: no cached denial keeps the client out.
+    assert await statuses(client, gw.url, API_KEY, 1) == [200]
+    after = await call(client, "GET", bucket, expect=200)
+    assert after["held"] is True and 0.99 < after["tokens"] < 1.01
+    again = await call(client, "DELETE", f"{gw.admin_url}/buckets/per_key?value=never-seen", expect=200)
+    assert again["held"] is False
+    return before, reset, after
+
+
+async def test_inspect_and_reset_a_bucket_on_the_in_process_store(upstream, client):
+    async with running_gateway(limits_config(upstream)) as gw:
+        before, _, _ = await inspect_and_reset(client, gw)
+    assert before["store"] == "in-process"
+    assert before["denied_here_for_seconds"] == 0  # no denial cache without a shared store
+    assert API_KEY not in json.dumps(before)
+
+
+async def test_inspect_and_reset_a_bucket_on_one_redis(upstream, client, redis_server):
+    store = f"store: {{url: '{redis_server.url}', timeout: 500ms, prefix: 'adm:'}}"
+    async with running_gateway(limits_config(upstream, store)) as gw:
+        before, _, after = await inspect_and_reset(client, gw)
+    redis = redis_server.client()
+    assert before["key"].startswith("adm:per_key:{") and API_KEY not in before["key"]
+    assert after["key"] == before["key"]
+    assert redis.hget(before["key"], "tokens") is not None  # recharged after the reset: the same key
+
+
+async def test_a_reset_in_redis_deletes_the_key_and_clears_the_denial_cache(upstream, client, redis_server):
+    store = f"store: {{url: '{redis_server.url}', timeout: 500ms, prefix: 'adm:'}}"
+    async with running_gateway(limits_config(upstream, store)) as gw:
+        assert await statuses(client, gw.url, API_KEY, 3) == [200, 200, 429]
+        assert len(gw.gateway.limiter.denials) == 1  # the third was answered here, not by Redis
+        bucket = f"{gw.admin_url}/buckets/per_key?value={API_KEY}"
+        before = await call(client, "GET", bucket, expect=200)
+        assert 3500 < before["denied_here_for_seconds"] <= 3600
+        assert redis_server.client().exists(before["key"]) == 1
+        await call(client, "DELETE", bucket, expect=200)
+        assert redis_server.client().exists(before["key"]) == 0
+        assert len(gw.gateway.limiter.denials) == 0
+        assert (await call(client, "GET", bucket, expect=200))["denied_here_for_seconds"] == 0
+        assert await statuses(client, gw.url, API_KEY, 3) == [200, 200, 429]
+
+
+async def test_inspect_and_reset_a_bucket_on_a_redis_cluster(upstream, client):
+    with RedisCluster() as cluster:
+        store = f"store: {{url: '{cluster.url}', timeout: 500ms, prefix: 'adm:'}}"
+        async with running_gateway(limits_config(upstream, store)) as gw:
+            before, _, _ = await inspect_and_reset(client, gw)
+            # Other identities land on other masters: each is read and reset where its slot lives.
+            keys = []
+            for n in range(12):
+                assert await statuses(client, gw.url, f"spread-{n}", 1) == [200]
+                answer = await call(client, "GET", f"{gw.admin_url}/buckets/per_key?value=spread-{n}", expect=200)
+                assert answer["held"] is True and 0.99 < answer["tokens"] < 1.01
+                keys.append(answer["key"])
+            await call(client, "DELETE", f"{gw.admin_url}/buckets/per_key?value=spread-0", expect=200)
+            assert (await call(client, "GET", f"{gw.admin_url}/buckets/per_key?value=spread-0", expect=200))["held"] is False
+        masters = cluster.masters()
+        redis = cluster.client()
+        assert redis.exists(before["key"]) == 1 and redis.exists(keys[0]) == 0
+        assert all(redis.exists(key) == 1 for key in keys[1:])
+        owners = {
+            port
+            for key in keys
+            for port, ranges in masters.items()
+            if any(first <= redis.keyslot(key) <= last for first, last in ranges)
+        }
+        assert len(owners) == 3
+
+
+async def test_a_bucket_is_named_by_a_source_of_its_limit(upstream, client):
+    async with running_gateway(limits_config(upstream)) as gw:
+        async with client.get(gw.url + "/users/x?user=alice") as response:
+            assert response.status == 200
+        base = f"{gw.admin_url}/buckets/per_user"
+        by_query = await call(client, "GET", base + "?source=query:user&value=alice", expect=200)
+        assert by_query["held"] is True and by_query["tokens"] == pytest.approx(4, abs=0.01)
+        by_header = await call(client, "GET", base + "?source=Header:X-User&value=alice", expect=200)
+        assert by_header["held"] is False and by_header["source"] == "header:x-user"
+        # A client with none of the sources is limited by address.
+        by_ip = await call(client, "GET", base + "?source=ip&value=::ffff:127.0.0.1", expect=200)
+        assert by_ip["source"] == "ip" and by_ip["held"] is False
+
+        several = await call(client, "GET", base + "?value=alice", expect=400)
+        assert several["sources"] == ["header:x-user", "query:user", "ip"]
+        assert (await call(client, "GET", base + "?source=cookie:user&value=alice", expect=400))["status"] == 400
+        await call(client, "GET", base + "?source=ip&value=not-an-address", expect=400)
+        await call(client, "GET", base + "?source=query:user", expect=400)
+        await call(client, "DELETE", base + "?source=query:user&value=", expect=400)
+        unknown = await call(client, "GET", f"{gw.admin_url}/buckets/nope?value=x", expect=404)
+        assert unknown["title"] == "Not Found" and unknown["limits"] == ["per_key", "per_user"]
+        await call(client, "DELETE", f"{gw.admin_url}/buckets/nope?value=x", expect=404)
+
+
+async def test_top_limited_lists_the_most_denied_clients_hashed(upstream, client):
+    async with running_gateway(limits_config(upstream)) as gw:
+        assert await statuses(client, gw.url, "flooder", 12) == [200, 200] + [429] * 10
+        assert await statuses(client, gw.url, "nibbler", 4) == [200, 200, 429, 429]
+        assert await statuses(client, gw.url, "polite", 2) == [200, 200]
+        top = await call(client, "GET", gw.admin_url + "/top-limited", expect=200)
+        flooder = await call(client, "GET", gw.admin_url + "/buckets/per_key?value=flooder", expect=200)
+        assert (await call(client, "GET", gw.admin_url + "/top-limited?n=1", expect=200))["clients"] == top["clients"][:1]
+        for bad in ("0", "-1", "x", "100000", "%C2%B2", "9" * 5000, ""):
+            await call(client, "GET", gw.admin_url + f"/top-limited?n={bad}", expect=400)
+    assert top["identities"] == "hashed" and top["window_seconds"] == 60
+    assert [(c["limit"], c["denials"], c["error"]) for c in top["clients"]] == [("per_key", 10, 0), ("per_key", 2, 0)]
+    assert top["clients"][0]["identity"] == flooder["identity"]  # the same hash as inspect shows
+    assert top["clients"][0]["identity"].startswith("header:x-api-key#")
+    for raw in ("flooder", "nibbler", "polite"):
+        assert raw not in json.dumps(top)
+
+
+async def test_top_limited_shows_raw_identities_when_the_config_opts_in(upstream, client):
+    async with running_gateway(limits_config(upstream) + "admin_raw_identities: true\n") as gw:
+        assert await statuses(client, gw.url, "flooder", 5) == [200, 200, 429, 429, 429]
+        top = await call(client, "GET", gw.admin_url + "/top-limited", expect=200)
+    assert top["identities"] == "raw"
+    assert top["clients"] == [{"limit": "per_key", "identity": "header:x-api-key=flooder", "denials": 3, "error": 0}]
+
+
+SECRETS = {"ADMIN_TOKEN": ADMIN_TOKEN, "JWT_SECRET": "jwt-secret-5c9e0a7b1d3f5e7a9c1b3d5f7a9c1e3b"}
+
+
+def secret_config(upstream: str, store_url: str) -> str:
+    return f"""
+admin_token_env: ADMIN_TOKEN
+store: {{url: "{store_url}", key_secret: "key-secret-88e1f2", timeout: 100ms}}
+jwt: {{secret_env: JWT_SECRET}}
+limits:
+  per_sub: {{rate: 10/second, key: [jwt:sub, ip]}}
+routes:
+  - match: {{path: /api}}
+    upstream: {upstream}
+    limits: [per_sub]
+"""
+
+
+async def test_the_effective_config_has_every_secret_redacted(upstream, client):
+    redis_server = RedisServer(password="store-pass-61d0")  # nothing listens: the config is what matters
+    config = config_from_yaml(secret_config(upstream, f"redis://gw:store-pass-61d0@127.0.0.1:{redis_server.port}/0"), environ=SECRETS)
+    async with running_gateway(config) as gw:
+        shown = await call(client, "GET", gw.admin_url + "/config", expect=200, token=ADMIN_TOKEN)
+    text = json.dumps(shown)
+    for secret in ("store-pass-61d0", "key-secret-88e1f2", SECRETS["JWT_SECRET"], ADMIN_TOKEN):
+        assert secret not in text
+    assert shown["store"]["url"] == f"redis://gw:***@127.0.0.1:{redis_server.port}/0"
+    assert shown["store"]["key_secret"] == "***" and shown["admin_token"] == "***"
+    assert shown["jwt"]["keys"] == [{"algorithm": "HS256", "key": "***", "kid": None}]
+    assert shown["limits"][0] == {
+        "name": "per_sub", "rate": "10/second", "burst": 10, "key": ["jwt:sub", "ip"], "on_store_error": "open",
+    }
+    assert shown["routes"][0]["match"]["path"] == "/api"
+
+
+@pytest.mark.parametrize(
+    "method, path",
+    [("GET", "/buckets/per_key?value=x"), ("DELETE", "/buckets/per_key?value=x"), ("GET", "/top-limited"), ("GET", "/config")],
+)
+async def test_the_admin_api_needs_the_token_when_one_is_configured(upstream, client, method, path):
+    text = limits_config(upstream) + "admin_token_env: ADMIN_TOKEN\n"
+    async with running_gateway(config_from_yaml(text, environ={"ADMIN_TOKEN": ADMIN_TOKEN})) as gw:
+        refused = await call(client, method, gw.admin_url + path, expect=401)
+        assert refused["status"] == 401
+        await call(client, method, gw.admin_url + path, expect=401, token=ADMIN_TOKEN[:-1] + "X")
+        await call(client, method, gw.admin_url + path, expect=200, token=ADMIN_TOKEN)
+
+
+@pytest.mark.parametrize(
+    "method, path",
+    [("GET", "/buckets/per_key?value=x"), ("DELETE", "/buckets/per_key?value=x"), ("GET", "/top-limited"), ("GET", "/config")],
+)
+async def test_the_admin_api_is_404_on_the_public_listener(upstream, client, method, path):
+    async with running_gateway(limits_config(upstream)) as gw:
+        assert await statuses(client, gw.url, API_KEY, 3) == [200, 200, 429]
+        answer = await call(client, method, gw.url + path, expect=404)
+        # Nothing was reset: the public listener never reached the admin API.
+        assert await statuses(client, gw.url, API_KEY, 1) == [429]
+    assert answer["status"] == 404 and "per_key" not in json.dumps(answer)
+
+
+async def test_inspect_and_reset_answer_503_while_the_store_is_down(upstream, client):
+    redis_server = RedisServer()  # its port is chosen now; nothing listens there
+    store = f"store: {{url: '{redis_server.url}', timeout: 100ms}}"
+    async with running_gateway(limits_config(upstream, store)) as gw:
+        for method in ("GET", "DELETE"):
+            down = await call(client, method, f"{gw.admin_url}/buckets/per_key?value={API_KEY}", expect=503)
+            assert down["title"] == "Service Unavailable" and "store" in down["detail"]
+
+
+async def test_a_reset_while_the_store_is_down_frees_the_client_from_the_local_stand_in(upstream, client):
+    redis_server = RedisServer()  # nothing listens: every check falls back to the local bucket
+    config = f"""
+store: {{url: '{redis_server.url}', timeout: 100ms, local_divisor: 1}}
+limits:
+  per_key: {{rate: 1/hour, burst: 2, key: header:X-Api-Key, on_store_error: local}}
+routes:
+  - match: {{path: /api}}
+    upstream: {upstream}
+    limits: [per_key]
+"""
+    async with running_gateway(config) as gw:
+        assert await statuses(client, gw.url, API_KEY, 3) == [200, 200, 429]
+        await call(client, "DELETE", f"{gw.admin_url}/buckets/per_key?value={API_KEY}", expect=503)
+        assert await statuses(client, gw.url, API_KEY, 3) == [200, 200, 429]
+        top = await call(client, "GET", gw.admin_url + "/top-limited", expect=200)
+    assert [(c["limit"], c["denials"]) for c in top["clients"]] == [("per_key", 2)]  # local denials count too
