@@ -183,7 +183,10 @@ class ProxyHandler:
         checks = [
             LimitCheck(limit=lp.limit, identity=who, cost=lp.cost) for lp, who in zip(plan.limits, identities)
         ]
-        decision = await self._limiter.check(checks)
+        if plan.shadowed:
+            decision = await self._limiter.check_with_shadow(checks)
+        else:
+            decision = await self._limiter.check(checks)
         self._metrics.limiter_latency.observe(time.perf_counter() - started)
         for lp, status in zip(plan.limits, decision.statuses):
             lp.decisions(status.outcome).inc()
@@ -308,9 +311,9 @@ async def _stream_on(parts: list[bytes], content: aiohttp.StreamReader) -> Async
 
 def _rejection(plan: RoutePlan, decision: Decision, limit_headers: dict[str, str]) -> web.Response:
     if decision.store_failed:
-        names = tuple(s.limit.name for s in decision.statuses if s.outcome == FAIL_CLOSED)
+        names = tuple(s.limit.name for s in decision.statuses if s.outcome == FAIL_CLOSED and not s.limit.shadow)
         return problem_response(503, plan.rejection(503, names).body(), headers=_RETRY_AFTER_ONE)
-    denied = tuple(s.limit.name for s in decision.statuses if s.outcome in (DENY, FAIL_LOCAL))
+    denied = tuple(s.limit.name for s in decision.statuses if s.outcome in (DENY, FAIL_LOCAL) and not s.limit.shadow)
     retry_after = str(retry_after_seconds(decision.retry_after))
     return problem_response(
         429, plan.rejection(429, denied).body(retry_after), headers={**limit_headers, "Retry-After": retry_after}

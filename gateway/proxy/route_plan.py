@@ -58,6 +58,7 @@ class RoutePlan:
     allow_path_parameters: bool
     timeout: aiohttp.ClientTimeout
     limits: tuple[LimitPlan, ...]
+    shadowed: bool  # some of the limits are shadow limits, which never reject
     identity: RouteIdentity  # what the limits read, and the headers Connection may not name
     policies: tuple[str, ...]  # RateLimit-Policy of each limit, in order
     upstream_timeout: bytes  # the 504 body
@@ -138,6 +139,7 @@ def _route_plan(route: Route, metrics: Metrics) -> RoutePlan:
             )
             for rl in route.limits
         ),
+        shadowed=any(rl.limit.shadow for rl in route.limits),
         identity=RouteIdentity.of([IdentityKey.of(rl.limit.key) for rl in route.limits]),
         policies=tuple(policy(rl.limit) for rl in route.limits),
         upstream_timeout=problem_body(
