@@ -12,6 +12,7 @@ Trusts the config, which `gateway.config.loader` has validated.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -52,6 +53,7 @@ class PrefixStrip:
 @dataclass(frozen=True, slots=True)
 class RoutePlan:
     match: Match
+    label: str  # the route in metrics and the access log
     upstream: str  # base URL, without a trailing slash
     strip: PrefixStrip | None
     preserve_host: bool
@@ -103,6 +105,7 @@ class Plans:
     upstreams: tuple[str, ...]
     max_in_flight: int
     shed: bytes  # the 503 body past max_in_flight
+    log_secret: bytes  # keys the identity hashes in the access log: store.key_secret, else drawn at start
 
 
 def compile_plans(config: GatewayConfig, metrics: Metrics) -> Plans:
@@ -118,6 +121,7 @@ def compile_plans(config: GatewayConfig, metrics: Metrics) -> Plans:
         shed=problem_body(
             503, "Service Unavailable", "The gateway has as many requests in flight as it takes; retry shortly."
         ),
+        log_secret=config.store.key_secret.encode() if config.store and config.store.key_secret else os.urandom(32),
     )
 
 
@@ -126,6 +130,7 @@ def _route_plan(route: Route, metrics: Metrics) -> RoutePlan:
     timeout = route.timeout
     return RoutePlan(
         match=route.match,
+        label=label,
         upstream=route.upstream,
         strip=PrefixStrip.of(route.match.path) if route.strip_prefix and route.match.path != "/" else None,
         preserve_host=route.preserve_host,
