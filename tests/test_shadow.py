@@ -28,6 +28,10 @@ routes:
     upstream: {upstream}
     strip_prefix: true
     limits: [trial2]
+  - match: {{path: /both-shadows}}
+    upstream: {upstream}
+    strip_prefix: true
+    limits: [trial, trial2]
   - match: {{path: /mixed}}
     upstream: {upstream}
     strip_prefix: true
@@ -76,6 +80,16 @@ async def test_a_short_shadow_limit_leaves_the_enforced_one_charged_in_redis(ups
     store = f"store: {{url: {redis_server.url}, timeout: 200ms}}"
     async with running_gateway(shadow_yaml(upstream, store)) as gw, aiohttp.ClientSession() as http:
         await check_a_short_shadow_limit_leaves_the_enforced_one_charged(gw, http)
+
+
+async def test_a_short_shadow_limit_does_not_keep_another_shadow_limit_from_being_charged(upstream):
+    async with running_gateway(shadow_yaml(upstream)) as gw, aiohttp.ClientSession() as http:
+        seen = await statuses_and_fields(http, gw.url + "/both-shadows/x", 3)
+        counts = await decisions(http, gw.admin_url)
+    assert [status for status, _ in seen] == [200, 200, 200]
+    # The second request finds `trial` short, and `trial2` is charged all the same.
+    assert counts[("trial", "allow")] == 1 and counts[("trial", "shadow_limited")] == 2
+    assert counts[("trial2", "allow")] == 2 and counts[("trial2", "shadow_limited")] == 1
 
 
 def test_shadow_is_parsed_and_defaults_to_false():
