@@ -14,7 +14,7 @@ Query values are never written: API keys travel in them (`query:NAME` identities
 parameter keeps its name and its value becomes `***`. A limit's identity (an API
 key, a token claim, an address) appears only as a keyed hash: 64 bits of BLAKE2b
 keyed by `store.key_secret` when set, so lines of every process and restart
-agree, else by a secret drawn at start, good within one process.
+agree, else by a secret drawn when the process starts, good within it.
 """
 
 from __future__ import annotations
@@ -68,6 +68,8 @@ class AccessRecord:
         self.upstream_ms: float | None = None
 
 
+# Keys identity hashes when store.key_secret is not set: one per process, so a reload keeps it.
+PROCESS_LOG_SECRET = os.urandom(32)
 ACCESS_RECORD = web.RequestKey("gateway.access_record", AccessRecord)
 
 

@@ -12,11 +12,11 @@ Trusts the config, which `gateway.config.loader` has validated.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import aiohttp
 
+from gateway.access_log import PROCESS_LOG_SECRET
 from gateway.config.model import ForwardedHeaders, GatewayConfig, Limit, Match, PathNormalization, Route
 from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics
 from gateway.proxy.client_identity import ClientIdentity, IdentityKey, RouteIdentity
@@ -105,7 +105,7 @@ class Plans:
     upstreams: tuple[str, ...]
     max_in_flight: int
     shed: bytes  # the 503 body past max_in_flight
-    log_secret: bytes  # keys the identity hashes in the access log: store.key_secret, else drawn at start
+    log_secret: bytes  # keys the identity hashes in the access log: store.key_secret, else PROCESS_LOG_SECRET
 
 
 def compile_plans(config: GatewayConfig, metrics: Metrics) -> Plans:
@@ -121,7 +121,7 @@ def compile_plans(config: GatewayConfig, metrics: Metrics) -> Plans:
         shed=problem_body(
             503, "Service Unavailable", "The gateway has as many requests in flight as it takes; retry shortly."
         ),
-        log_secret=config.store.key_secret.encode() if config.store and config.store.key_secret else os.urandom(32),
+        log_secret=config.store.key_secret.encode() if config.store and config.store.key_secret else PROCESS_LOG_SECRET,
     )
 
 
