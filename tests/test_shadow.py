@@ -11,6 +11,11 @@ import aiohttp
 import pytest
 
 from gateway.config import ConfigError
+from gateway.config.model import FailurePolicy, IdentitySource, Limit
+from gateway.config.units import parse_rate
+from gateway.limiter.limiter import ALLOW, DENY, SHADOW_LIMITED, Limiter
+from gateway.limiter.memory_store import MemoryStore
+from gateway.limiter.store import LimitCheck
 from gateway.testing import config_from_yaml, running_gateway
 from tests.scrape import decisions
 
@@ -111,3 +116,32 @@ async def test_a_fail_closed_shadow_limit_rejects_nothing_while_the_store_is_dow
         counts = await decisions(http, gw.admin_url)
     assert [status for status, _ in seen] == [200, 200]  # `enforced` fails open; `trial` fails closed, in shadow
     assert counts[("trial", "fail_closed")] == 2
+
+
+# --- the limiter alone, on the in-process store -----------------------------------------
+
+
+def a_limit(name: str, burst: float, *, shadow: bool) -> Limit:
+    return Limit(
+        name=name, rate=parse_rate("1/hour"), burst=burst, key=(IdentitySource(kind="ip"),),
+        on_store_error=FailurePolicy.OPEN, shadow=shadow,
+    )
+
+
+async def test_the_limiter_keeps_statuses_in_order_and_only_enforced_limits_decide():
+    limiter = Limiter(MemoryStore(clock=lambda: 1000.0))  # a clock that stands still: no refill
+    checks = [
+        LimitCheck(limit=a_limit("s1", 1, shadow=True), identity="ip=192.0.2.1", cost=1),
+        LimitCheck(limit=a_limit("e", 2, shadow=False), identity="ip=192.0.2.1", cost=1),
+        LimitCheck(limit=a_limit("s2", 5, shadow=True), identity="ip=192.0.2.1", cost=1),
+    ]
+    outcomes = []
+    for _ in range(3):
+        decision = await limiter.check_with_shadow(checks)
+        outcomes.append((decision.allowed, [(s.limit.name, s.outcome, s.remaining) for s in decision.statuses]))
+    assert outcomes == [
+        (True, [("s1", ALLOW, 0.0), ("e", ALLOW, 1.0), ("s2", ALLOW, 4.0)]),
+        (True, [("s1", SHADOW_LIMITED, 0.0), ("e", ALLOW, 0.0), ("s2", ALLOW, 3.0)]),
+        (False, [("s1", SHADOW_LIMITED, 0.0), ("e", DENY, 0.0), ("s2", ALLOW, 2.0)]),
+    ]
+    assert decision.retry_after > 0  # the enforced limit's wait
