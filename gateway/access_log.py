@@ -54,7 +54,9 @@ def request_id(sent: str | None) -> str:
 class AccessRecord:
     """What the handler learnt of one request, for its access line."""
 
-    __slots__ = ("request_id", "identity", "secret", "route", "client", "checks", "decision", "upstream_status", "upstream_ms")
+    __slots__ = (
+        "request_id", "identity", "secret", "route", "client", "checks", "decision", "upstream_status", "upstream_ms"
+    )
 
     def __init__(self, request_id: str, identity: ClientIdentity, secret: bytes) -> None:
         self.request_id = request_id
@@ -74,7 +76,8 @@ ACCESS_RECORD = web.RequestKey("gateway.access_record", AccessRecord)
 
 
 def identity_hash(secret: bytes, identity: str) -> str:
-    return hashlib.blake2b(identity.encode("utf-8", "surrogateescape"), key=secret[:64], digest_size=IDENTITY_HASH_BYTES).hexdigest()
+    data = identity.encode("utf-8", "surrogateescape")
+    return hashlib.blake2b(data, key=secret[:64], digest_size=IDENTITY_HASH_BYTES).hexdigest()
 
 
 def redacted_target(request: BaseRequest) -> str:
