@@ -535,7 +535,7 @@ def _store(doc: Any, r: _Reader) -> StoreConfig:
 def _limit(name: Any, doc: Any, path: str, r: _Reader) -> Limit:
     if not isinstance(name, str) or not _LIMIT_NAME_RE.match(name):
         r.fail(path, "limit names may use letters, digits, '_', '-' and '.' only")
-    spec = r.mapping(doc, path, required=("rate",), optional=("burst", "key", "on_store_error"))
+    spec = r.mapping(doc, path, required=("rate",), optional=("burst", "key", "on_store_error", "shadow"))
     rate = r.parsed(parse_rate, spec["rate"], f"{path}.rate")
     if "burst" in spec:
         burst = r.integer(spec["burst"], f"{path}.burst", minimum=1)
@@ -554,7 +554,8 @@ def _limit(name: Any, doc: Any, path: str, r: _Reader) -> Limit:
         policy = FailurePolicy(policy_text)
     except ValueError:
         r.fail(f"{path}.on_store_error", f"expected open, closed or local, got {policy_text!r}")
-    return Limit(name=name, rate=rate, burst=burst, key=sources, on_store_error=policy)
+    shadow = r.boolean(spec.get("shadow", False), f"{path}.shadow")
+    return Limit(name=name, rate=rate, burst=burst, key=sources, on_store_error=policy, shadow=shadow)
 
 
 def _identity(value: Any, path: str, r: _Reader) -> IdentitySource:

@@ -99,6 +99,7 @@ class Limit:
     burst: float
     key: tuple[IdentitySource, ...]
     on_store_error: FailurePolicy
+    shadow: bool = False  # checked and charged, counted as shadow_limited, but never rejects
 
     @property
     def refill_seconds(self) -> float:

@@ -5,6 +5,14 @@ Trusts the store to be atomic and to raise only `StoreError`. When it does,
 each limit's `on_store_error` decides: `open` allows, `closed` rejects (the
 proxy answers 503), and `local` asks an in-process bucket whose rate and burst
 are the global ones divided by `store.local_divisor`.
+
+Shadow limits (`shadow: true`) never decide a request. `check_with_shadow` sends
+the enforced limits in one all-or-nothing store check, as `check` does, and each
+shadow limit in a check of its own, all at once. So a shadow limit that is short
+never keeps the enforced limits from being charged, nor another shadow limit:
+each is charged whenever it alone has room, as if it were the request's only
+limit. The Lua script and its model stay as they are. Routes without shadow
+limits call `check` and pay nothing for the feature.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ FAILURE_LOG_INTERVAL = 1.0
 
 # "skipped": this limit had room, but another denied the request, so nothing was charged.
 ALLOW, DENY, SKIPPED = "allow", "deny", "skipped"
+# A shadow limit that would have denied: it was not charged, and the request went on.
+SHADOW_LIMITED = "shadow_limited"
 FAIL_OPEN, FAIL_CLOSED, FAIL_LOCAL = "fail_open", "fail_closed", "fail_local"
 _FAILURE_OUTCOME = {FailurePolicy.OPEN: FAIL_OPEN, FailurePolicy.CLOSED: FAIL_CLOSED, FailurePolicy.LOCAL: FAIL_LOCAL}
 
@@ -40,7 +50,7 @@ class LimitStatus:
     limit: Limit
     cost: int
     remaining: float | None  # None when unknown: the store failed open, or a cached denial answered
-    outcome: str  # allow | deny | skipped | fail_open | fail_closed | fail_local
+    outcome: str  # allow | deny | skipped | shadow_limited | fail_open | fail_closed | fail_local
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +120,18 @@ class Limiter:
         except StoreError as exc:
             return self._on_store_error(checks, exc)
         return _decision(checks, answer)
+
+    async def check_with_shadow(self, checks: Sequence[LimitCheck]) -> Decision:
+        """`check` for checks of which some are shadow limits: only the enforced ones decide."""
+        enforced = [c for c in checks if not c.limit.shadow]
+        shadows = [c for c in checks if c.limit.shadow]
+        main, *shadowed = await asyncio.gather(self.check(enforced), *(self.check((c,)) for c in shadows))
+        enforced_statuses = iter(main.statuses)
+        shadow_statuses = (_as_shadow(d.statuses[0]) for d in shadowed)
+        statuses = tuple(next(shadow_statuses) if c.limit.shadow else next(enforced_statuses) for c in checks)
+        return Decision(
+            allowed=main.allowed, statuses=statuses, retry_after=main.retry_after, store_failed=main.store_failed
+        )
 
     async def _check_shared(self, checks: Sequence[LimitCheck], denials: DenialCache) -> Decision:
         cached = denials.lookup(checks, time.monotonic())
@@ -248,6 +270,12 @@ def _decision(checks: Sequence[LimitCheck], answer: StoreDecision) -> Decision:
         for c, left in zip(checks, answer.remaining)
     )
     return Decision(allowed=answer.allowed, statuses=statuses, retry_after=answer.retry_after, store_failed=False)
+
+
+def _as_shadow(status: LimitStatus) -> LimitStatus:
+    """A shadow limit's status: a denial becomes `shadow_limited`; a store failure keeps its
+    outcome (the store failed all the same), though it rejects nothing."""
+    return dataclasses.replace(status, outcome=SHADOW_LIMITED) if status.outcome == DENY else status
 
 
 def _cached_denial(checks: Sequence[LimitCheck], cached: CachedDenial) -> Decision:

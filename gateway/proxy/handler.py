@@ -24,6 +24,7 @@ from aiohttp.http import HttpVersion11
 from multidict import CIMultiDict
 from yarl import URL
 
+from gateway.access_log import ACCESS_RECORD, AccessRecord, request_id
 from gateway.bounded_protocol import ClientLimitExceeded
 from gateway.config.model import GatewayConfig
 from gateway.limiter.limiter import DENY, FAIL_CLOSED, FAIL_LOCAL, UNLIMITED, Decision, Limiter
@@ -90,6 +91,8 @@ class ProxyHandler:
         self._metrics.in_flight.inc()
         requests = plans.unmatched
         response: web.StreamResponse | None = None
+        record = AccessRecord(request_id(request.headers.get("X-Request-ID")), plans.identity, plans.log_secret)
+        request[ACCESS_RECORD] = record
         try:
             response = request_line_problem(request)
             if response is not None:
@@ -117,6 +120,7 @@ class ProxyHandler:
                 response = problem(404, "Not Found", "No route matches this request.")
                 return response
             requests = plan.requests
+            record.route = plan.label
             if path.parameters and not plan.allow_path_parameters:
                 response = problem(400, "Bad Request", "This route does not accept ';' parameters in the path.")
                 return response
@@ -128,17 +132,21 @@ class ProxyHandler:
             if plan.max_body_size is not None and (request.content_length or 0) > plan.max_body_size:
                 response = _body_too_large(plan)  # the declared length says so: nothing is read or charged
                 return response
-            response = await self._limited(request, plan, plans, path)
+            response = await self._limited(request, plan, plans, path, record)
             return response
         finally:
+            if response is not None and not response.prepared:
+                response.headers["X-Request-ID"] = record.request_id
             self._in_flight -= 1
             self._metrics.in_flight.dec()
             status = response.status if response is not None else 500
             requests(method_label(request.method), STATUS_CLASSES[status // 100]).inc()
 
-    async def _limited(self, request: web.BaseRequest, plan: RoutePlan, plans: Plans, path: NormalPath) -> web.StreamResponse:
+    async def _limited(
+        self, request: web.BaseRequest, plan: RoutePlan, plans: Plans, path: NormalPath, record: AccessRecord
+    ) -> web.StreamResponse:
         try:
-            decision = await self._decide(request, plan, plans.identity)
+            decision = await self._decide(request, plan, plans.identity, record)
         except IdentityRejected as exc:
             # Nothing was charged, and the upstream never hears of it.
             return problem(exc.status, exc.title, exc.detail, headers=exc.headers)
@@ -147,8 +155,10 @@ class ProxyHandler:
             return _rejection(plan, decision, limit_headers)
         url = _upstream_url(request, plan, path)
         headers = _forward_headers(request, plan, plans)
+        headers["X-Request-ID"] = record.request_id
         if is_websocket_upgrade(request):
-            return await proxy_websocket(request, self._sessions[plan.upstream], url, headers, limit_headers)
+            ws_headers = {**limit_headers, "X-Request-ID": record.request_id}
+            return await proxy_websocket(request, self._sessions[plan.upstream], url, headers, ws_headers)
         body: _Body = request.content if request.body_exists else None
         try:
             if body is not None and plan.max_body_size is not None and request.content_length is None:
@@ -170,20 +180,26 @@ class ProxyHandler:
         if not slots.try_take() and not await slots.take(plan.queue_timeout):
             return problem_response(503, plan.queue_full, headers={**limit_headers, **_RETRY_AFTER_ONE})
         try:
-            return await self._forward(request, plan, url, headers, limit_headers, body)
+            return await self._forward(request, plan, url, headers, limit_headers, body, record)
         finally:
             slots.give_back()
 
-    async def _decide(self, request: web.BaseRequest, plan: RoutePlan, identity: ClientIdentity) -> Decision:
+    async def _decide(
+        self, request: web.BaseRequest, plan: RoutePlan, identity: ClientIdentity, record: AccessRecord
+    ) -> Decision:
         if not plan.limits:
             return UNLIMITED
         started = time.perf_counter()
-        client_ip = identity.client_ip(request)
+        client_ip = record.client = identity.client_ip(request)
         identities = identity.identities(request, plan.identity, client_ip)
         checks = [
             LimitCheck(limit=lp.limit, identity=who, cost=lp.cost) for lp, who in zip(plan.limits, identities)
         ]
-        decision = await self._limiter.check(checks)
+        if plan.shadowed:
+            decision = await self._limiter.check_with_shadow(checks)
+        else:
+            decision = await self._limiter.check(checks)
+        record.checks, record.decision = checks, decision
         self._metrics.limiter_latency.observe(time.perf_counter() - started)
         for lp, status in zip(plan.limits, decision.statuses):
             lp.decisions(status.outcome).inc()
@@ -197,6 +213,7 @@ class ProxyHandler:
         headers: CIMultiDict[str],
         limit_headers: dict[str, str],
         body: _Body,
+        record: AccessRecord,
     ) -> web.StreamResponse:
         session = self._sessions[plan.upstream]
         sent = time.perf_counter()
@@ -210,7 +227,9 @@ class ProxyHandler:
                 timeout=plan.timeout,
                 compress=None,
             ) as upstream:
-                plan.upstream_latency().observe(time.perf_counter() - sent)
+                latency = time.perf_counter() - sent
+                plan.upstream_latency().observe(latency)
+                record.upstream_status, record.upstream_ms = upstream.status, round(latency * 1000, 3)
                 # A small upstream answer usually arrives in one read, body and end included.
                 arrived = upstream.content.is_eof()
                 response = (_ArrivedResponse if arrived else web.StreamResponse)(
@@ -218,6 +237,7 @@ class ProxyHandler:
                 )
                 response.headers.extend(end_to_end(upstream.headers))
                 response.headers.update(limit_headers)
+                response.headers["X-Request-ID"] = record.request_id
                 await response.prepare(request)
                 try:
                     if arrived:
@@ -308,9 +328,9 @@ async def _stream_on(parts: list[bytes], content: aiohttp.StreamReader) -> Async
 
 def _rejection(plan: RoutePlan, decision: Decision, limit_headers: dict[str, str]) -> web.Response:
     if decision.store_failed:
-        names = tuple(s.limit.name for s in decision.statuses if s.outcome == FAIL_CLOSED)
+        names = tuple(s.limit.name for s in decision.statuses if s.outcome == FAIL_CLOSED and not s.limit.shadow)
         return problem_response(503, plan.rejection(503, names).body(), headers=_RETRY_AFTER_ONE)
-    denied = tuple(s.limit.name for s in decision.statuses if s.outcome in (DENY, FAIL_LOCAL))
+    denied = tuple(s.limit.name for s in decision.statuses if s.outcome in (DENY, FAIL_LOCAL) and not s.limit.shadow)
     retry_after = str(retry_after_seconds(decision.retry_after))
     return problem_response(
         429, plan.rejection(429, denied).body(retry_after), headers={**limit_headers, "Retry-After": retry_after}

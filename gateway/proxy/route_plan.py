@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from gateway.access_log import PROCESS_LOG_SECRET
 from gateway.config.model import ForwardedHeaders, GatewayConfig, Limit, Match, PathNormalization, Route
 from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics
 from gateway.proxy.client_identity import ClientIdentity, IdentityKey, RouteIdentity
@@ -52,12 +53,14 @@ class PrefixStrip:
 @dataclass(frozen=True, slots=True)
 class RoutePlan:
     match: Match
+    label: str  # the route in metrics and the access log
     upstream: str  # base URL, without a trailing slash
     strip: PrefixStrip | None
     preserve_host: bool
     allow_path_parameters: bool
     timeout: aiohttp.ClientTimeout
     limits: tuple[LimitPlan, ...]
+    shadowed: bool  # some of the limits are shadow limits, which never reject
     identity: RouteIdentity  # what the limits read, and the headers Connection may not name
     policies: tuple[str, ...]  # RateLimit-Policy of each limit, in order
     upstream_timeout: bytes  # the 504 body
@@ -102,6 +105,7 @@ class Plans:
     upstreams: tuple[str, ...]
     max_in_flight: int
     shed: bytes  # the 503 body past max_in_flight
+    log_secret: bytes  # keys the identity hashes in the access log: store.key_secret, else PROCESS_LOG_SECRET
 
 
 def compile_plans(config: GatewayConfig, metrics: Metrics) -> Plans:
@@ -117,6 +121,7 @@ def compile_plans(config: GatewayConfig, metrics: Metrics) -> Plans:
         shed=problem_body(
             503, "Service Unavailable", "The gateway has as many requests in flight as it takes; retry shortly."
         ),
+        log_secret=config.store.key_secret.encode() if config.store and config.store.key_secret else PROCESS_LOG_SECRET,
     )
 
 
@@ -125,6 +130,7 @@ def _route_plan(route: Route, metrics: Metrics) -> RoutePlan:
     timeout = route.timeout
     return RoutePlan(
         match=route.match,
+        label=label,
         upstream=route.upstream,
         strip=PrefixStrip.of(route.match.path) if route.strip_prefix and route.match.path != "/" else None,
         preserve_host=route.preserve_host,
@@ -138,6 +144,7 @@ def _route_plan(route: Route, metrics: Metrics) -> RoutePlan:
             )
             for rl in route.limits
         ),
+        shadowed=any(rl.limit.shadow for rl in route.limits),
         identity=RouteIdentity.of([IdentityKey.of(rl.limit.key) for rl in route.limits]),
         policies=tuple(policy(rl.limit) for rl in route.limits),
         upstream_timeout=problem_body(
