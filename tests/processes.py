@@ -311,7 +311,7 @@ class GatewayProcess:
         ]
         for reader in self._readers:
             reader.start()
-        if not self._listening.wait(START_DEADLINE):
+        if not self._listening.wait(START_DEADLINE) or not self.url:
             self.stop()
             raise AssertionError("gateway did not start:\n" + "".join(self.stderr_lines))
         return self
