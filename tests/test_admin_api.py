@@ -216,6 +216,7 @@ async def test_the_effective_config_has_every_secret_redacted(upstream, client):
     assert shown["jwt"]["keys"] == [{"algorithm": "HS256", "key": "***", "kid": None}]
     assert shown["limits"][0] == {
         "name": "per_sub", "rate": "10/second", "burst": 10, "key": ["jwt:sub", "ip"], "on_store_error": "open",
+        "shadow": False,
     }
     assert shown["routes"][0]["match"]["path"] == "/api"
 
