@@ -9,6 +9,7 @@ it to a private address (the default is 127.0.0.1:9090).
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import hdrs, web
@@ -20,7 +21,9 @@ from gateway.metrics import Metrics
 from gateway.proxy.problem import problem
 
 
-def admin_app(config: GatewayConfig, limiter: Limiter, metrics: Metrics) -> web.Application:
+def admin_app(
+    config: GatewayConfig, limiter: Limiter, metrics: Metrics, *, draining: Callable[[], bool] = lambda: False
+) -> web.Application:
     # Serving without the store is fine unless some limit rejects everything then.
     serves_without_store = all(limit.on_store_error is not FailurePolicy.CLOSED for limit in config.limits)
 
@@ -28,6 +31,9 @@ def admin_app(config: GatewayConfig, limiter: Limiter, metrics: Metrics) -> web.
         return web.json_response({"status": "alive"})
 
     async def readyz(_: web.Request) -> web.Response:
+        if draining():
+            # Shutting down: load balancers must stop sending, whatever the store says.
+            return web.json_response({"ready": False, "draining": True}, status=503)
         reachable, detail = await limiter.store_reachable()
         ready = reachable or serves_without_store
         body = {

@@ -49,8 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         return _fail(str(exc))
     if args.command == "check":
-        print(describe(config))
-        return 0
+        return _print(describe(config))
     logging.basicConfig(
         level=getattr(args, "log_level", "info").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -79,6 +78,17 @@ def _start(config: GatewayConfig, args: argparse.Namespace) -> int:
         return run(config, access_log=args.access_log)
     except StartupError as exc:
         return _fail(str(exc))
+
+
+def _print(text: str) -> int:
+    """Print `text`; a reader that stopped early (`gateway check -c F | head -1`) is no error."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python would flush stdout again at exit and report the same broken pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
 
 
 def _fail(message: str) -> int:
