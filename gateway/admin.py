@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.config.model import FailurePolicy, GatewayConfig
 from gateway.limiter.limiter import Limiter
+from gateway.limiter.store import refusal
 from gateway.metrics import Metrics
 from gateway.proxy.problem import problem
 
@@ -35,11 +36,13 @@ def admin_app(
             # Shutting down: load balancers must stop sending, whatever the store says.
             return web.json_response({"ready": False, "draining": True}, status=503)
         reachable, detail = await limiter.store_reachable()
-        ready = reachable or serves_without_store
+        refused = not reachable and refusal(detail)
+        # A store that refuses us stays refused until the deployment is fixed: never ready.
+        ready = reachable or (serves_without_store and not refused)
         body = {
             "ready": ready,
             "store": limiter.store.description,
-            "store_state": "ok" if reachable else "unreachable",
+            "store_state": "ok" if reachable else "refused" if refused else "unreachable",
             "detail": detail,
             "breaker": limiter.breaker.state.value,
         }

@@ -12,7 +12,7 @@ from gateway.admin import admin_app
 from gateway.config import ConfigError, load_config
 from gateway.config.model import GatewayConfig
 from gateway.limiter.limiter import Limiter
-from gateway.limiter.store import StoreError
+from gateway.limiter.store import StoreError, refusal
 from gateway.limiter.store_factory import make_store
 from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics, breaker_gauge_setter
 from gateway.proxy.handler import ProxyHandler
@@ -89,8 +89,13 @@ class Gateway:
         try:
             await self.store.start()
         except StoreError as exc:
+            if self.config.store is not None and self.config.store.required:
+                raise
             # Not fatal: each check retries, and each limit's failure policy covers the gap.
-            log.warning("store not reachable at start, failure policies apply until it is: %s", exc)
+            if refusal(str(exc)):
+                log.error("store refuses the gateway, failure policies apply until it is fixed: %s", exc)
+            else:
+                log.warning("store not reachable at start, failure policies apply until it is: %s", exc)
         await self.handler.start()
 
     async def close(self) -> None:

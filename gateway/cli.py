@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         "--access-log", nargs="?", const="text", choices=("text", "json"), help="log one line per request (text or json)"
     )
     run_parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    run_parser.add_argument("--watch", action="store_true", help="reload the config when its file changes (as SIGHUP does)")
     check_parser = commands.add_parser("check", help="validate the config and print what it means")
     check_parser.add_argument("-c", "--config", required=True, help="the YAML config file")
     demo_parser = commands.add_parser("demo", help="run a demo upstream and the gateway in front of it")
@@ -75,7 +76,7 @@ def _start(config: GatewayConfig, args: argparse.Namespace) -> int:
             from gateway.demo import run_demo
 
             return run_demo(config, args.upstream)
-        return run(config, access_log=args.access_log)
+        return run(config, access_log=args.access_log, watch=args.watch)
     except StartupError as exc:
         return _fail(str(exc))
 

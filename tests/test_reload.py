@@ -8,10 +8,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 
-from tests.processes import GatewayProcess, eventually, free_port
+from tests.processes import GatewayProcess, RedisServer, eventually, free_port
 from tests.test_cli import DEADLINE, metric
 
 RELOADED = "config reloaded from"
@@ -124,6 +125,15 @@ async def test_every_worker_reloads_on_sighup(upstream, redis_server):
                 assert await status(fresh, gw.url + "/echo/other") == 200
 
 
+async def test_watch_reloads_when_the_file_changes(upstream):
+    with GatewayProcess(limited_yaml(upstream, burst=1), args=("--watch",)) as gw:
+        async with aiohttp.ClientSession() as client:
+            assert [await status(client, gw.url + "/echo") for _ in range(2)] == [200, 429]
+            gw.config_path.write_text(limited_yaml(upstream, burst=1, second_route=True))
+            await eventually(lambda: count(gw, RELOADED) == 1, what="the changed file to be reloaded")
+            assert await status(client, gw.url + "/echo/other") == 200
+
+
 # --- §7 shutdown ---------------------------------------------------------------------------
 
 
@@ -168,3 +178,52 @@ def test_check_into_a_pipe_closed_early_prints_no_traceback(tmp_path):
     )
     assert result.stdout.endswith(": OK\n"), result.stdout
     assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
+
+
+async def test_the_readme_step_more_gateways_against_the_same_redis_shares_the_counts(redis_server):
+    """README, "Quick start with Redis": the demo, then a second gateway started with the
+    README's own command (other ports, the demo's upstream), sharing one budget."""
+    config = (Path(__file__).resolve().parent.parent / "config" / "demo-redis.yaml").read_text()
+    upstream = f"127.0.0.1:{free_port()}"
+    env = {"REDIS_URL": redis_server.url, "DEMO_UPSTREAM": upstream}
+    ports = {"GATEWAY_LISTEN": "127.0.0.1:0", "GATEWAY_ADMIN_LISTEN": "127.0.0.1:0"}
+    first = GatewayProcess(config, command="demo", args=("--upstream", upstream), env={**env, **ports})
+    second = GatewayProcess(config, env={**env, **ports})
+    with first, second:
+        headers = {"X-API-Key": "shared"}
+        async with aiohttp.ClientSession(headers=headers) as client:
+            seen = [await status(client, gw.url + "/api/hello") for gw in (first, second, first, second, first, second)]
+    assert seen == [200] * 5 + [429], seen  # burst 5, one budget across both
+
+
+# --- §7 a store that refuses us ---------------------------------------------------------------
+
+
+def wrong_password_store(redis: RedisServer, extra: str = "") -> str:
+    return f"store: {{url: '{redis.url.replace('redis://', 'redis://:wrong@')}'{extra}}}\n"
+
+
+async def test_a_store_that_refuses_our_password_is_not_ready_and_the_log_says_why(upstream):
+    with RedisServer("--requirepass", "right-password", password="right-password") as redis:
+        with GatewayProcess(limited_yaml(upstream, burst=5, extra=wrong_password_store(redis))) as gw:
+            async with aiohttp.ClientSession() as client:
+                async with client.get(gw.admin_url + "/readyz") as response:
+                    body = await response.json()
+                    assert response.status == 503, body
+            assert body["store_state"] == "refused", body
+            assert "WRONGPASS" in body["detail"], body
+            assert count(gw, "store refuses the gateway") == 1, gw.stderr_lines
+            assert not any("Traceback" in line for line in gw.stderr_lines)
+
+
+def test_store_required_refuses_to_start_while_the_store_is_unreachable(tmp_path):
+    with RedisServer("--requirepass", "right-password", password="right-password") as redis:
+        path = tmp_path / "gw.yaml"
+        path.write_text(limited_yaml("http://127.0.0.1:9", burst=5, extra=wrong_password_store(redis, ", required: true")))
+        result = subprocess.run(
+            [sys.executable, "-m", "gateway", "run", "-c", str(path)], capture_output=True, text=True, timeout=DEADLINE
+        )
+    assert result.returncode == 2, result
+    errors = [line for line in result.stderr.splitlines() if line.startswith("gateway:")]
+    assert len(errors) == 1 and "store.required" in errors[0] and "WRONGPASS" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
