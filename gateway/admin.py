@@ -24,6 +24,7 @@ import hmac
 import ipaddress
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import hdrs, web
@@ -34,25 +35,32 @@ from gateway.config.model import FailurePolicy, GatewayConfig, IdentitySource, J
 from gateway.config.units import Address, Rate
 from gateway.limiter.keys import identity_digest
 from gateway.limiter.limiter import Limiter
-from gateway.limiter.store import StoreError
+from gateway.limiter.store import StoreError, refusal
 from gateway.metrics import Metrics
 from gateway.proxy.problem import PROBLEM_CONTENT_TYPE, problem, problem_body
 
 
-def admin_app(config: GatewayConfig, limiter: Limiter, metrics: Metrics) -> web.Application:
-    # Serving without the store is fine unless some limit rejects everything then.
-    serves_without_store = all(limit.on_store_error is not FailurePolicy.CLOSED for limit in config.limits)
+def admin_app(
+    config: GatewayConfig, limiter: Limiter, metrics: Metrics, *, draining: Callable[[], bool] = lambda: False
+) -> tuple[web.Application, AdminApi]:
+    """The admin listener's app, and its API, which a reload hands the new config."""
+    api = AdminApi(config, limiter)
 
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "alive"})
 
     async def readyz(_: web.Request) -> web.Response:
+        if draining():
+            # Shutting down: load balancers must stop sending, whatever the store says.
+            return web.json_response({"ready": False, "draining": True}, status=503)
         reachable, detail = await limiter.store_reachable()
-        ready = reachable or serves_without_store
+        refused = not reachable and refusal(detail)
+        # A store that refuses us stays refused until the deployment is fixed: never ready.
+        ready = reachable or (api.serves_without_store and not refused)
         body = {
             "ready": ready,
             "store": limiter.store.description,
-            "store_state": "ok" if reachable else "unreachable",
+            "store_state": "ok" if reachable else "refused" if refused else "unreachable",
             "detail": detail,
             "breaker": limiter.breaker.state.value,
         }
@@ -71,8 +79,8 @@ def admin_app(config: GatewayConfig, limiter: Limiter, metrics: Metrics) -> web.
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_endpoint)
-    AdminApi(config, limiter).add_routes(app.router)
-    return app
+    api.add_routes(app.router)
+    return app, api
 
 
 DEFAULT_TOP = 10
@@ -81,12 +89,18 @@ REDACTED = "***"
 
 class AdminApi:
     def __init__(self, config: GatewayConfig, limiter: Limiter) -> None:
-        self._config = config
         self._limiter = limiter
-        self._limits = {limit.name: limit for limit in config.limits}
+        self.update(config)
         # Hashes shown by this process: stable while it runs, so an operator can match a
         # client's inspect answer to its line in the top list, but never a bucket's key.
         self._secret = os.urandom(32)
+
+    def update(self, config: GatewayConfig) -> None:
+        """Answer from `config` from now on (a reload)."""
+        self._config = config
+        self._limits = {limit.name: limit for limit in config.limits}
+        # Serving without the store is fine unless some limit rejects everything then.
+        self.serves_without_store = all(limit.on_store_error is not FailurePolicy.CLOSED for limit in config.limits)
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_get("/buckets/{limit}", self.inspect)

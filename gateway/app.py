@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from aiohttp import web
 
 from gateway.admin import admin_app
+from gateway.config import ConfigError, load_config
 from gateway.config.model import GatewayConfig
 from gateway.limiter.limiter import Limiter
-from gateway.limiter.store import StoreError
+from gateway.limiter.store import StoreError, refusal
 from gateway.limiter.store_factory import make_store
 from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics, breaker_gauge_setter
 from gateway.proxy.handler import ProxyHandler
 from gateway.proxy.protocol import PublicServer
 
 log = logging.getLogger(__name__)
+
+# What a reload cannot change in a running process: its sockets, processes, store
+# connection and the admin listener's token. A changed one is named and waits for a restart.
+RESTART_SETTINGS = (
+    "listen", "admin_listen", "listen_tls", "workers", "store", "admin_token", "clients", "upstream_connections",
+)
 
 
 class Gateway:
@@ -31,7 +39,28 @@ class Gateway:
             on_breaker_change=breaker_gauge_setter(self.metrics.store_breaker),
         )
         self.handler = ProxyHandler(config, self.limiter, self.metrics)
-        self.admin_app = admin_app(config, self.limiter, self.metrics)
+        self.draining = False  # set when the drain starts: /readyz answers 503 from then on
+        self.admin_app, self._admin_api = admin_app(config, self.limiter, self.metrics, draining=lambda: self.draining)
+
+    def reload(self) -> bool:
+        """Read the config file again and, only if it is valid throughout, serve it from the next
+        request on. A bad file keeps the old config, logs one line and counts a failure.
+        Buckets are named by limit name, in either store, so a limit keeps its buckets."""
+        try:
+            config = load_config(self.config.source)
+        except ConfigError as exc:
+            self.metrics.reload_failures.inc()
+            log.error("config reload failed, the old config serves on: %s", exc)
+            return False
+        kept = [name for name in RESTART_SETTINGS if getattr(config, name) != getattr(self.config, name)]
+        self.handler.reload(config)
+        self._admin_api.update(config)
+        self.config = config
+        self.metrics.reload_success.set(time.time())
+        log.info("config reloaded from %s: %d routes, %d limits", config.source, len(config.routes), len(config.limits))
+        if kept:
+            log.warning("changed settings that take effect only at restart: %s", ", ".join(kept))
+        return True
 
     def public_server(self, **kwargs: Any) -> web.Server:
         """The public listener: aiohttp's low-level server, which hands every request to the
@@ -61,8 +90,13 @@ class Gateway:
         try:
             await self.store.start()
         except StoreError as exc:
+            if self.config.store is not None and self.config.store.required:
+                raise
             # Not fatal: each check retries, and each limit's failure policy covers the gap.
-            log.warning("store not reachable at start, failure policies apply until it is: %s", exc)
+            if refusal(str(exc)):
+                log.error("store refuses the gateway, failure policies apply until it is fixed: %s", exc)
+            else:
+                log.warning("store not reachable at start, failure policies apply until it is: %s", exc)
         await self.handler.start()
 
     async def close(self) -> None:

@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         "--access-log", nargs="?", const="text", choices=("text", "json"), help="log one line per request (text or json)"
     )
     run_parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    run_parser.add_argument("--watch", action="store_true", help="reload the config when its file changes (as SIGHUP does)")
     check_parser = commands.add_parser("check", help="validate the config and print what it means")
     check_parser.add_argument("-c", "--config", required=True, help="the YAML config file")
     demo_parser = commands.add_parser("demo", help="run a demo upstream and the gateway in front of it")
@@ -49,8 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         return _fail(str(exc))
     if args.command == "check":
-        print(describe(config))
-        return 0
+        return _print(describe(config))
     logging.basicConfig(
         level=getattr(args, "log_level", "info").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -76,9 +76,20 @@ def _start(config: GatewayConfig, args: argparse.Namespace) -> int:
             from gateway.demo import run_demo
 
             return run_demo(config, args.upstream)
-        return run(config, access_log=args.access_log)
+        return run(config, access_log=args.access_log, watch=args.watch)
     except StartupError as exc:
         return _fail(str(exc))
+
+
+def _print(text: str) -> int:
+    """Print `text`; a reader that stopped early (`gateway check -c F | head -1`) is no error."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python would flush stdout again at exit and report the same broken pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
 
 
 def _fail(message: str) -> int:

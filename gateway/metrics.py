@@ -91,6 +91,14 @@ class Metrics:
             "gateway_build_info", "The running gateway's version.", ["version"], registry=r, multiprocess_mode="max"
         )
         build.labels(version=__version__).set(1)
+        self.reload_failures = Counter(
+            "gateway_config_reload_failures", "Config reloads refused because the new file was invalid; the old config serves on.",
+            registry=r,
+        )
+        self.reload_success = Gauge(
+            "gateway_config_last_reload_success_timestamp", "Unix time of the last config reload that took effect (0: none yet).",
+            registry=r, multiprocess_mode="max",
+        )
 
     def exposition_registry(self) -> CollectorRegistry:
         """What /metrics serves: this process's registry, or every worker's when there are several."""

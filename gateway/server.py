@@ -10,7 +10,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from aiohttp import web
@@ -21,6 +21,7 @@ from gateway.app import Gateway
 from gateway.config.model import GatewayConfig
 from gateway.config.tls import server_context
 from gateway.config.units import Address
+from gateway.limiter.store import StoreError
 from gateway.proxy.protocol import request_parser
 
 log = logging.getLogger("gateway")
@@ -32,16 +33,28 @@ EXIT_STARTUP = 2
 # (17 us a request, ~5% of its CPU). At 20,000, with startup objects frozen: twice,
 # 0.3 ms in all.
 GC_YOUNG_THRESHOLD = 20_000
+# aiohttp's runner waits its shutdown_timeout for a handler, then cancels and waits it
+# again: with the grace there, a request slower than the grace held the exit for twice
+# the grace. The drain waits out the grace itself; then the cut takes at most 2 x this.
+CUT_SECONDS = 0.1
+DRAIN_POLL_SECONDS = 0.01  # a drain notices the last request within this
+# `--watch` looks at the file this often: an edit takes effect within it, for one stat() a period.
+WATCH_SECONDS = 0.5
 
 
 class StartupError(Exception):
     """The gateway could not start (an address that cannot be bound); str() is the one line shown."""
 
 
-async def serve(config: GatewayConfig, *, access_log: str | None = None, workers: int = 1) -> None:
-    """Serve until SIGTERM or SIGINT, then drain in-flight requests within `shutdown_grace`."""
+async def serve(config: GatewayConfig, *, access_log: str | None = None, workers: int = 1, watch: bool = False) -> None:
+    """Serve until SIGTERM or SIGINT, then drain in-flight requests within `shutdown_grace`.
+    SIGHUP, or with `watch` a change to the config file, reloads the config."""
     gateway = Gateway(config, multiprocess_metrics=workers > 1)
-    await gateway.start()
+    try:
+        await gateway.start()
+    except StoreError as exc:
+        await gateway.close()
+        raise StartupError(f"store.required is set and the store is not usable: {exc}") from None
     # Everything built so far lives as long as the process: no collection need walk it.
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
@@ -50,9 +63,9 @@ async def serve(config: GatewayConfig, *, access_log: str | None = None, workers
             access_log=access_logger if access_log else None,
             access_log_class=ACCESS_LOG_FORMATS[access_log or "text"],
         ),
-        shutdown_timeout=config.shutdown_grace,
+        shutdown_timeout=CUT_SECONDS,
     )
-    admin = web.AppRunner(gateway.admin_app, access_log=None, shutdown_timeout=config.shutdown_grace)
+    admin = web.AppRunner(gateway.admin_app, access_log=None, shutdown_timeout=CUT_SECONDS)
     await public.setup()
     await admin.setup()
     reuse = workers > 1  # every worker binds the same ports; the kernel spreads connections
@@ -67,6 +80,8 @@ async def serve(config: GatewayConfig, *, access_log: str | None = None, workers
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, gateway.reload)
+        watcher = asyncio.create_task(_watch(config.source, gateway.reload)) if watch else None
         parser = request_parser()
         if parser != "llhttp":
             log.warning("aiohttp parses requests in pure Python, not llhttp: install a compiled aiohttp wheel")
@@ -82,14 +97,44 @@ async def serve(config: GatewayConfig, *, access_log: str | None = None, workers
             parser,
         )
         await stop.wait()
-        log.info("draining in-flight requests (up to %gs)", config.shutdown_grace)
+        if watcher is not None:
+            watcher.cancel()
+        gateway.draining = True
+        grace = gateway.config.shutdown_grace
+        log.info("draining in-flight requests (up to %gs)", grace)
+        # The public listener stops accepting, then requests in flight get up to the grace;
+        # /readyz answers 503 and /metrics and /healthz stay up meanwhile.
+        for site in list(public.sites):
+            await site.stop()
+        deadline = loop.time() + grace
+        while gateway.handler.in_flight and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_SECONDS)
     finally:
-        # The public listener first: it stops accepting, then waits up to the grace for
-        # requests in flight; /metrics and /healthz stay up meanwhile.
+        # What is still in flight now is cut: aiohttp waits CUT_SECONDS twice for it.
         await public.cleanup()
         await admin.cleanup()
         await gateway.close()
     log.info("stopped")
+
+
+async def _watch(path: str, reload: Callable[[], object]) -> None:
+    """Call `reload` when the file at `path` changes (its inode, size or mtime): an editor's
+    rename-over and a write in place alike. A missing file is a change, which the reload reports."""
+    seen = _file_state(path)
+    while True:
+        await asyncio.sleep(WATCH_SECONDS)
+        state = _file_state(path)
+        if state != seen:
+            seen = state
+            reload()
+
+
+def _file_state(path: str) -> tuple[int, int, int] | None:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 def os_reason(exc: OSError) -> str:
@@ -117,28 +162,29 @@ def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
         uvloop.run(main)
 
 
-def run(config: GatewayConfig, *, access_log: str | None = None) -> int:
+def run(config: GatewayConfig, *, access_log: str | None = None, watch: bool = False) -> int:
     if access_log:
         enable_access_log()
     if config.workers == 1:
-        _run_loop(config, access_log, 1)
+        _run_loop(config, access_log, 1, watch)
         return 0
-    return _supervise(config, access_log)
+    return _supervise(config, access_log, watch)
 
 
-def _run_loop(config: GatewayConfig, access_log: str | None, workers: int) -> None:
+def _run_loop(config: GatewayConfig, access_log: str | None, workers: int, watch: bool = False) -> None:
     # A forked worker must not run the supervisor's handlers before its loop installs its own.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload before the loop serves: nothing to reload yet
     try:
-        run_event_loop(serve(config, access_log=access_log, workers=workers))
+        run_event_loop(serve(config, access_log=access_log, workers=workers, watch=watch))
     except KeyboardInterrupt:
         pass  # SIGINT while starting, before serve() handles it: a stop like any other
 
 
-def _worker(config: GatewayConfig, access_log: str | None) -> None:
+def _worker(config: GatewayConfig, access_log: str | None, watch: bool) -> None:
     try:
-        _run_loop(config, access_log, config.workers)
+        _run_loop(config, access_log, config.workers, watch)
     except StartupError as exc:
         print(f"gateway: {exc}", file=sys.stderr)
         sys.exit(EXIT_STARTUP)
@@ -162,13 +208,13 @@ def check_bindable(address: Address) -> None:
                 raise StartupError(f"cannot listen on {address}: {os_reason(exc)}") from None
 
 
-def _supervise(config: GatewayConfig, access_log: str | None) -> int:
-    """Start `workers` processes on shared ports; pass SIGTERM/SIGINT on; exit when they have."""
+def _supervise(config: GatewayConfig, access_log: str | None, watch: bool) -> int:
+    """Start `workers` processes on shared ports; pass SIGTERM/SIGINT/SIGHUP on; exit when they have."""
     check_bindable(config.listen)
     check_bindable(config.admin_listen)
     context = multiprocessing.get_context("fork")
     processes = [
-        context.Process(target=_worker, args=(config, access_log), name=f"gateway-worker-{i}")
+        context.Process(target=_worker, args=(config, access_log, watch), name=f"gateway-worker-{i}")
         for i in range(config.workers)
     ]
     received: list[int] = []
@@ -179,8 +225,14 @@ def _supervise(config: GatewayConfig, access_log: str | None) -> int:
             if process.pid is not None and process.exitcode is None:
                 os.kill(process.pid, signum)
 
+    def reload(signum: int, _frame: object) -> None:
+        for process in processes:  # every worker reads the file itself and keeps serving if it is bad
+            if process.pid is not None and process.exitcode is None:
+                os.kill(process.pid, signum)
+
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGHUP, reload)
     for process in processes:
         process.start()
     if received:  # a signal that came while some workers were not started yet

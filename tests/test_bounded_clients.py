@@ -147,7 +147,6 @@ async def test_an_idle_connection_between_requests_is_closed_at_keepalive_timeou
             writer.write(GET)
             first = await reader.readuntil(b"}")  # the echo's JSON body
             assert first.startswith(b"HTTP/1.1 200")
-            started = time.monotonic()
             data, elapsed = await _read_until_closed(reader, 1.5 + SLACK)
     assert data == b""  # an idle connection just closes
     assert elapsed >= 1.2  # not the head's 0.3 s: no head had begun

@@ -385,7 +385,7 @@ routes:
         async with http.get(gw.admin_url + "/readyz") as response:
             body = await response.json()
             assert response.status == 503
-            assert body["store_state"] == "unreachable"
+            assert body["store_state"] == "refused"  # WRONGPASS: refused, not away
             assert "wrong-pw" not in body["store"] and "wrong-pw" not in body["detail"]
 
 

@@ -451,7 +451,7 @@ def _store(doc: Any, r: _Reader) -> StoreConfig:
         doc,
         "store",
         required=("url",),
-        optional=("timeout", "prefix", "local_divisor", "max_pending", "max_connections", "key_secret", "tls_ca_file"),
+        optional=("timeout", "prefix", "local_divisor", "max_pending", "max_connections", "key_secret", "tls_ca_file", "required"),
     )
     if "max_connections" in spec:
         r.fail(
@@ -529,6 +529,7 @@ def _store(doc: Any, r: _Reader) -> StoreConfig:
         max_pending=r.integer(spec.get("max_pending", DEFAULT_STORE_MAX_PENDING), "store.max_pending", minimum=1),
         key_secret=r.string(secret, "store.key_secret") if secret is not None else None,
         tls_ca_file=ca_file,
+        required=r.boolean(spec.get("required", False), "store.required"),
     )
 
 

@@ -167,6 +167,7 @@ class StoreConfig:
     max_pending: int  # commands queued or awaiting Redis, per gateway process
     key_secret: str | None
     tls_ca_file: str | None = None  # CA bundle to verify a rediss:// server; default: the system's
+    required: bool = False  # refuse to start while the store is unreachable or refuses us
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -244,7 +244,7 @@ class Limiter:
         return held
 
     async def store_reachable(self) -> tuple[bool, str]:
-        """Whether the store answers now, and if not, why."""
+        """Whether the store answers now, and if not, why (`store.refusal(why)`: it refuses us)."""
         try:
             await self.store.ping()
         except StoreError as exc:

@@ -19,6 +19,17 @@ class StoreError(Exception):
     """The store could not answer (down, slow, or refusing); the limit's failure policy decides."""
 
 
+# Redis's replies when it will not serve us: a wrong password or user (WRONGPASS), no
+# AUTH where one is required (NOAUTH), or an ACL that denies a command or key (NOPERM).
+# Retrying changes none of them: the deployment must.
+REFUSALS = ("WRONGPASS", "NOAUTH", "NOPERM")
+
+
+def refusal(detail: str) -> bool:
+    """Whether a store error says the store refuses us, rather than that it is away."""
+    return any(code in detail for code in REFUSALS)
+
+
 class StoreNotConnected(StoreError):
     """Nothing was sent: there is no connection to the store now, and one is being made.
     Costs the caller nothing and says nothing new about the store."""

@@ -68,16 +68,35 @@ class ProxyHandler:
 
     async def start(self) -> None:
         for upstream in self._plans.upstreams:
-            self._sessions[upstream] = aiohttp.ClientSession(
-                # Requests wait for a slot in UpstreamSlots, boundedly; the connector's own
-                # limit, the same, only ever queues WebSockets, which hold no slot.
-                connector=aiohttp.TCPConnector(limit=self._connections, ttl_dns_cache=60),
-                auto_decompress=False,
-                cookie_jar=aiohttp.DummyCookieJar(),
-                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-                trust_env=False,
-                timeout=aiohttp.ClientTimeout(total=None),
-            )
+            self._sessions[upstream] = self._session()
+
+    def _session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(
+            # Requests wait for a slot in UpstreamSlots, boundedly; the connector's own
+            # limit, the same, only ever queues WebSockets, which hold no slot.
+            connector=aiohttp.TCPConnector(limit=self._connections, ttl_dns_cache=60),
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+            trust_env=False,
+            timeout=aiohttp.ClientTimeout(total=None),
+        )
+
+    def reload(self, config: GatewayConfig) -> None:
+        """Serve `config` from the next request on. A request in flight read the old plans
+        once, at its start, and finishes on them; the sessions of upstreams it may still
+        use stay open until close()."""
+        plans = compile_plans(config, self._metrics)
+        for upstream in plans.upstreams:
+            if upstream not in self._sessions:
+                self._sessions[upstream] = self._session()
+                self._slots[upstream] = UpstreamSlots(self._connections)
+        self._plans = plans
+
+    @property
+    def in_flight(self) -> int:
+        """Requests being handled now: a drain waits for this to reach 0."""
+        return self._in_flight
 
     async def close(self) -> None:
         for session in self._sessions.values():
