@@ -37,6 +37,7 @@ from gateway.limiter.keys import identity_digest
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.store import StoreError, refusal
 from gateway.metrics import Metrics
+from gateway.proxy.client_identity import parse_ip
 from gateway.proxy.problem import PROBLEM_CONTENT_TYPE, problem, problem_body
 
 
@@ -196,13 +197,10 @@ class AdminApi:
 
 
 def _address(text: str) -> str:
-    """An address as the gateway writes a client's (an IPv4-mapped IPv6 address as IPv4)."""
-    try:
-        address = ipaddress.ip_address(text.strip("[]"))
-    except ValueError:
-        raise _bad_request("The value of an ip source must be an IP address.") from None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return str(address.ipv4_mapped)
+    """An address as the gateway keys a client's (`client_identity.parse_ip`)."""
+    address = parse_ip(text)
+    if address is None:
+        raise _bad_request("The value of an ip source must be an IP address.")
     return str(address)
 
 

@@ -148,6 +148,10 @@ async def test_a_bucket_is_named_by_a_source_of_its_limit(upstream, client):
         # A client with none of the sources is limited by address.
         by_ip = await call(client, "GET", base + "?source=ip&value=::ffff:127.0.0.1", expect=200)
         assert by_ip["source"] == "ip" and by_ip["held"] is False
+        # An address is read as the gateway keys a client's: a zone id names no other client.
+        with_zone = await call(client, "GET", base + "?source=ip&value=fe80::1%25eth0", expect=200)
+        without = await call(client, "GET", base + "?source=ip&value=fe80::1", expect=200)
+        assert with_zone["identity"] == without["identity"]
 
         several = await call(client, "GET", base + "?value=alice", expect=400)
         assert several["sources"] == ["header:x-user", "query:user", "ip"]

@@ -61,7 +61,8 @@ class TokenRejected(IdentityRejected):
     headers = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
 
 
-def _parse_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+def parse_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """A client address as the gateway keys it (port, zone id dropped; IPv4-mapped as IPv4), or None."""
     text = text.strip()
     if text.startswith("[") and "]" in text:  # "[2001:db8::1]:443"
         text = text[1 : text.index("]")]
@@ -124,7 +125,7 @@ class ClientIdentity:
         is not an address; and whether it is a trusted proxy."""
         known = self._addresses.get(text)
         if known is None:
-            address = _parse_ip(text)
+            address = parse_ip(text)
             trusted = address is not None and any(address in network for network in self._trusted)
             known = (str(address) if address is not None else None, trusted)
             if len(text) <= ADDRESS_MEMO_KEY_CHARS:
