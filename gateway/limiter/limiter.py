@@ -102,24 +102,21 @@ class Limiter:
         self.top_limited = TopLimited(now=time.monotonic())
 
     async def check(self, checks: Sequence[LimitCheck]) -> Decision:
-        decision = await self._check(checks)
+        if not checks:
+            return UNLIMITED
+        if self.denials is not None:
+            decision = await self._check_shared(checks, self.denials)
+        else:
+            try:
+                decision = _decision(checks, await self.store.check(checks))
+            except StoreError as exc:
+                decision = self._on_store_error(checks, exc)
         if not decision.allowed:  # an allowed request costs this one test
             now = time.monotonic()
             for c, status in zip(checks, decision.statuses):
                 if _limited(c, status):
                     self.top_limited.add((c.limit.name, c.identity), now)
         return decision
-
-    async def _check(self, checks: Sequence[LimitCheck]) -> Decision:
-        if not checks:
-            return UNLIMITED
-        if self.denials is not None:
-            return await self._check_shared(checks, self.denials)
-        try:
-            answer = await self.store.check(checks)
-        except StoreError as exc:
-            return self._on_store_error(checks, exc)
-        return _decision(checks, answer)
 
     async def check_with_shadow(self, checks: Sequence[LimitCheck]) -> Decision:
         """`check` for checks of which some are shadow limits: only the enforced ones decide."""
