@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 from aiohttp import web
 
 from gateway.admin import admin_app
-from gateway.config import ConfigError, load_config
+from gateway.config import ConfigError, load_config, tls
 from gateway.config.model import GatewayConfig
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.store import StoreError, refusal
 from gateway.limiter.store_factory import make_store
+from gateway.limiter.worker_resets import WorkerResets
 from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics, breaker_gauge_setter
 from gateway.proxy.handler import ProxyHandler
 from gateway.proxy.protocol import PublicServer
@@ -21,24 +24,45 @@ from gateway.proxy.protocol import PublicServer
 log = logging.getLogger(__name__)
 
 # What a reload cannot change in a running process: its sockets, processes, store
-# connection and the admin listener's token. A changed one is named and waits for a restart.
-RESTART_SETTINGS = (
-    "listen", "admin_listen", "listen_tls", "workers", "store", "admin_token", "clients", "upstream_connections",
+# connection and the admin listener's token. A changed one is named, by the YAML key the
+# user wrote rather than the model's attribute, and waits for a restart.
+RESTART_SETTINGS: tuple[tuple[str, Callable[[GatewayConfig], object]], ...] = (
+    ("listen", attrgetter("listen")),
+    # Its files and min_version reload into the live context; only turning TLS on or off waits.
+    ("listen.tls", lambda config: config.listen_tls is not None),
+    ("admin_listen", attrgetter("admin_listen")),
+    ("admin_token_env", attrgetter("admin_token")),
+    ("workers", attrgetter("workers")),
+    ("store", attrgetter("store")),
+    ("client_header_timeout", attrgetter("clients.header_timeout")),
+    ("client_body_timeout", attrgetter("clients.body_timeout")),
+    ("keepalive_timeout", attrgetter("clients.keepalive_timeout")),
+    ("keepalive_requests", attrgetter("clients.keepalive_requests")),
+    ("max_header_size", attrgetter("clients.max_header_size")),
+    ("upstream_connections", attrgetter("upstream_connections")),
+    ("access_log", attrgetter("access_log")),
 )
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, *, multiprocess_metrics: bool = False) -> None:
+    def __init__(
+        self, config: GatewayConfig, *, multiprocess_metrics: bool = False, resets: WorkerResets | None = None
+    ) -> None:
+        """`resets`: with several workers, the log of bucket resets they share (gateway.server)."""
         self.config = config
         self.metrics = Metrics(multiprocess=multiprocess_metrics)
         self.store = make_store(config.store)
         self.limiter = Limiter(
             self.store,
-            local_divisor=config.store.local_divisor if config.store else 1,
+            local_divisor=config.local_divisor,
             shared_store=config.store is not None,
             on_breaker_change=breaker_gauge_setter(self.metrics.store_breaker),
+            on_lease_release_failed=self.metrics.lease_release_failures.inc,
+            resets=resets,
         )
         self.handler = ProxyHandler(config, self.limiter, self.metrics)
+        # The public listener's, built here so that a reload can load renewed files into it.
+        self.tls_context = tls.server_context(config.listen_tls) if config.listen_tls else None
         self.draining = False  # set when the drain starts: /readyz answers 503 from then on
         self.admin_app, self._admin_api = admin_app(config, self.limiter, self.metrics, draining=lambda: self.draining)
 
@@ -52,15 +76,30 @@ class Gateway:
             self.metrics.reload_failures.inc()
             log.error("config reload failed, the old config serves on: %s", exc)
             return False
-        kept = [name for name in RESTART_SETTINGS if getattr(config, name) != getattr(self.config, name)]
+        kept = [key for key, setting in RESTART_SETTINGS if setting(config) != setting(self.config)]
         self.handler.reload(config)
         self._admin_api.update(config)
+        self._reload_tls(config)
         self.config = config
         self.metrics.reload_success.set(time.time())
-        log.info("config reloaded from %s: %d routes, %d limits", config.source, len(config.routes), len(config.limits))
+        log.info(
+            "config reloaded from %s: %d routes, %d limits",
+            config.source, len(config.routes), len(config.limits) + len(config.concurrency_limits),
+        )
         if kept:
             log.warning("changed settings that take effect only at restart: %s", ", ".join(kept))
         return True
+
+    def _reload_tls(self, config: GatewayConfig) -> None:
+        if self.tls_context is None or config.listen_tls is None:
+            return
+        try:
+            tls.reload_context(self.tls_context, config.listen_tls)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError; EncryptedKey a ValueError
+            # The loader read these files a moment ago: they changed since. The old pair serves on.
+            log.error("listen.tls: cannot load the certificate and key, the old ones serve on: %s", exc)
+            return
+        log.info("listen.tls: %s loaded again, for new connections", config.listen_tls.cert_file)
 
     def public_server(self, **kwargs: Any) -> web.Server:
         """The public listener: aiohttp's low-level server, which hands every request to the
@@ -101,4 +140,5 @@ class Gateway:
 
     async def close(self) -> None:
         await self.handler.close()
+        await self.limiter.settle()  # the last requests' refunds and releases, before the store goes
         await self.store.close()

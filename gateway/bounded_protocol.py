@@ -32,6 +32,12 @@ deadlines, re-armed lazily like aiohttp's keep-alive timer, never per request.
 A head begun in the same read as the end of the previous request is measured
 from its next read: until then the connection looks idle, so it is bounded by
 keepalive_timeout, and at the latest by the two timeouts together.
+
+A client that hangs up while its request is with the upstream cancels it: the
+handler marks that phase with `cancel_on_hangup`, and a lost connection cancels
+the handler's task there, so the upstream request is abandoned at once instead
+of run to completion for nobody (issue 9 §7). Nowhere else: a task cancelled
+inside the limiter's check could leave a charge that no metric counts.
 """
 
 from __future__ import annotations
@@ -58,6 +64,17 @@ _CLOSE = {"Connection": "close"}
 # lingering_timeout is 5 s). The answer is followed by a FIN at once, so a client that
 # reads it sees the end straight away.
 LINGER_SECONDS = 2.0
+
+
+# Set by the handler on a request while it is with the upstream: the task to cancel should
+# the client's connection be lost. HUNG_UP tells the handler that the cancel was ours.
+CANCEL_ON_HANGUP = web.RequestKey("gateway.cancel_on_hangup", asyncio.Task)
+HUNG_UP = web.RequestKey("gateway.hung_up", bool)
+
+
+def hung_up(request: web.BaseRequest) -> bool:
+    """Whether the client's connection was lost while `request` was with the upstream."""
+    return request.get(HUNG_UP, False)
 
 
 class ClientLimitExceeded(Exception):
@@ -129,7 +146,13 @@ class BoundedRequestHandler(RequestHandler):
             self._watchdog = None
         if self._lingering is not None and not self._lingering.done():
             self._lingering.set_result(None)
+        request = self._current_request
         super().connection_lost(exc)
+        if request is not None:
+            task = request.pop(CANCEL_ON_HANGUP, None)
+            if task is not None and not task.done():
+                request[HUNG_UP] = True
+                task.cancel()
 
     def data_received(self, data: bytes) -> None:
         if self._upgraded or self._payload_parser is not None:

@@ -1,7 +1,12 @@
 """The `gateway` command: run, check, demo, and --version.
 
 Every user error (a bad config, a port in use) ends as one line on stderr and
-exit status 2, never a traceback.
+exit status 2, never a traceback. Ctrl-C before the server handles SIGINT (while
+Python imports the gateway or reads the config) ends it quietly with status 130;
+that is why this module imports only the standard library (and gateway.log_lines,
+which needs no more) at the top. Once `run` or `demo` has set up the gateway's
+log, that line goes after the log lines before it, through the same queue
+(gateway.log_lines), which logging's shutdown writes at the exit.
 """
 
 from __future__ import annotations
@@ -12,12 +17,16 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from gateway import __version__
-from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.log_lines import stderr_handler, stderr_line
+
+if TYPE_CHECKING:
+    from gateway.config import GatewayConfig
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 128 + 2  # what a shell reports for a command SIGINT ended
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -28,6 +37,13 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
     parser = _ArgumentParser(prog="gateway", description="A rate-limiting HTTP API gateway.")
     parser.add_argument("--version", action="version", version=f"gateway {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -42,8 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     check_parser.add_argument("-c", "--config", required=True, help="the YAML config file")
     demo_parser = commands.add_parser("demo", help="run a demo upstream and the gateway in front of it")
     demo_parser.add_argument("-c", "--config", default="config/demo.yaml", help="the gateway config (default: %(default)s)")
-    demo_parser.add_argument("--upstream", default="127.0.0.1:9000", help="where the demo upstream listens")
+    demo_parser.add_argument(
+        "--upstream", default="127.0.0.1:9000", help="where the demo upstream listens (sets DEMO_UPSTREAM for the config)"
+    )
     args = parser.parse_args(argv)
+    if args.command == "demo":
+        # The demo configs name their upstream as ${DEMO_UPSTREAM}, so the route follows
+        # the demo upstream wherever --upstream puts it.
+        os.environ["DEMO_UPSTREAM"] = args.upstream
+
+    from gateway.config import ConfigError, load_config
 
     try:
         config = load_config(args.config)
@@ -54,18 +78,43 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=getattr(args, "log_level", "info").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
+        handlers=[stderr_handler()],
     )
     if config.workers == 1:
         return _start(config, args)
     # Workers share their metrics through files in this directory. It must be set before
     # prometheus_client is imported, and fresh: files left by an earlier run would be counted too.
-    metrics_dir = tempfile.mkdtemp(prefix="gateway-metrics-")
+    metrics_dir = _fresh_metrics_dir()
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     try:
         return _start(config, args)
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _fresh_metrics_dir() -> str:
+    """A new directory for the workers' metrics files, named by this supervisor's pid. Those
+    a killed supervisor left (SIGKILL, the OOM killer: no `finally` ran) are removed first:
+    a directory whose pid is gone, or is ours (a container restarted with the same pid)."""
+    temp = tempfile.gettempdir()
+    for name in os.listdir(temp):
+        prefix, _, rest = name.partition("gateway-metrics-")
+        pid = rest.partition("-")[0]
+        if prefix or not pid.isdigit():
+            continue
+        if int(pid) == os.getpid() or not _alive(int(pid)):
+            shutil.rmtree(os.path.join(temp, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"gateway-metrics-{os.getpid()}-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _start(config: GatewayConfig, args: argparse.Namespace) -> int:
@@ -76,7 +125,7 @@ def _start(config: GatewayConfig, args: argparse.Namespace) -> int:
             from gateway.demo import run_demo
 
             return run_demo(config, args.upstream)
-        return run(config, access_log=args.access_log, watch=args.watch)
+        return run(config, access_log=args.access_log or config.access_log, watch=args.watch)
     except StartupError as exc:
         return _fail(str(exc))
 
@@ -93,12 +142,15 @@ def _print(text: str) -> int:
 
 
 def _fail(message: str) -> int:
-    print(f"gateway: {message}", file=sys.stderr)
+    stderr_line(f"gateway: {message}")
     return EXIT_USAGE
 
 
 def describe(config: GatewayConfig) -> str:
     """What `gateway check` prints: the routes and limits as the gateway understood them."""
+    from gateway.config.model import ResponseStyle
+    from gateway.proxy.routing import shadowed
+
     store = "in-process (one process only)"
     if config.store:
         from gateway.limiter.redis_store import redacted
@@ -134,16 +186,52 @@ def describe(config: GatewayConfig) -> str:
         )
     lines.append("limits:")
     for limit in config.limits:
+        if limit.quota is not None:
+            reset = f"{int(limit.quota.reset // 3600):02d}:{int(limit.quota.reset % 3600 // 60):02d} UTC"
+            shape = f"quota {limit.quota.limit} per {limit.quota.per} from {reset}"
+        else:
+            shape = f"rate {limit.rate.text} ({limit.rate.per_second:g}/s), burst {limit.burst:g}"
+            if limit.max_delay:
+                shape += f", delay up to {limit.max_delay:g}s"
+        extras = f", lease {limit.lease} (lapse {limit.lease_lapse:g}s)" if limit.lease else ""
+        response = limit.response
+        if response != ResponseStyle():
+            body = f", body {response.content_type}" if response.body else ""
+            extras += f", response {response.status} headers {response.headers.value}{body}"
         lines.append(
-            f"  {limit.name}: rate {limit.rate.text} ({limit.rate.per_second:g}/s), burst {limit.burst:g}, "
-            f"key [{', '.join(str(k) for k in limit.key)}], on_store_error {limit.on_store_error.value}"
+            f"  {limit.name}: {shape}, "
+            f"key [{', '.join(str(k) for k in limit.key)}], on_store_error {limit.on_store_error.value}{extras}"
+        )
+        for tier in limit.tiers.limits.values() if limit.tiers else ():
+            lines.append(f"    tier {tier.name}: rate {tier.rate.text} ({tier.rate.per_second:g}/s), burst {tier.burst:g}")
+        if limit.allow is not None:
+            lines.append(
+                f"    allow: {len(limit.allow.networks)} network(s), {len(limit.allow.identities)} identit(ies), never limited"
+            )
+    for conc in config.concurrency_limits:
+        lines.append(
+            f"  {conc.name}: concurrency {conc.concurrency} in flight, lease_ttl {conc.lease_ttl:g}s, "
+            f"key [{', '.join(str(k) for k in conc.key)}], on_store_error {conc.on_store_error.value}"
         )
     lines.append("routes (first match wins):")
     for i, route in enumerate(config.routes):
-        limits = ", ".join(f"{rl.limit.name} (cost {rl.cost})" for rl in route.limits) or "no limits"
+        listed = [f"{rl.limit.name} (cost {rl.cost})" for rl in route.limits]
+        limits = ", ".join(listed + [f"{conc.name} (concurrency)" for conc in route.concurrency]) or "no limits"
         options = [name for name in ("strip_prefix", "preserve_host", "allow_path_parameters") if getattr(route, name)]
         if not route.match.case_sensitive:
             options.append("case-insensitive")
+        for direction, rules in (("request", route.request_headers), ("response", route.response_headers)):
+            changed = [f"set {n}" for n, _ in rules.set] + [f"add {n}" for n, _ in rules.add]
+            changed += [f"remove {n}" for n in rules.remove]
+            if changed:
+                options.append(f"{direction} headers: {' '.join(changed)}")
         options.append(f"timeout connect {route.timeout.connect:g}s read {route.timeout.read:g}s")
+        if route.timeout.total is not None:
+            options.append(f"total {route.timeout.total:g}s")
         lines.append(f"  [{i}] {route.label} -> {route.upstream}: {limits}; {', '.join(options)}")
+    for later, earlier in shadowed(config.routes):
+        lines.append(
+            f"warning: routes[{later}] ({config.routes[later].label}) is never reached: routes[{earlier}] "
+            f"({config.routes[earlier].label}) comes first and matches every request it could"
+        )
     return "\n".join(lines)

@@ -3,11 +3,14 @@ routes are labelled by their configured match, methods by a fixed set."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from gateway import __version__
@@ -16,8 +19,15 @@ from gateway.limiter.circuit_breaker import BreakerState
 # Anything else a client sends is counted as OTHER, so clients cannot mint label values.
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "CONNECT", "TRACE"})
 UNMATCHED_ROUTE = "unmatched"
+# gateway_upstream_unavailable_total's reasons: why a request was answered 503 without going upstream.
+NO_TARGET = "no_target"
+QUEUE_FULL = "queue_full"
+TARGET_HEALTHY = "gateway_upstream_target_healthy"
+TARGET_METRICS = "gateway_upstream_target_"  # the families labelled by pool target
 # From a same-host Redis (~0.1 ms) up past the largest sensible store.timeout.
 LIMITER_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
+# From a fraction of a token's refill up to the longest max_delay (60 s).
+DELAY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 UPSTREAM_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -69,12 +79,59 @@ class Metrics:
             ["route", "limit", "decision"], registry=r,
         )
         self.limiter_latency = Histogram(
-            "gateway_limiter_latency_seconds", "Time to decide a request's limits, store call included.",
+            "gateway_limiter_latency_seconds", "Time to decide a request's rate and concurrency limits, store calls included.",
             buckets=LIMITER_BUCKETS, registry=r,
+        )
+        self.delay = Histogram(
+            "gateway_limiter_delay_seconds", "Time requests admitted by a mode: delay limit waited before going on.",
+            buckets=DELAY_BUCKETS, registry=r,
         )
         self.upstream_latency = Histogram(
             "gateway_upstream_latency_seconds", "Time from sending upstream to the response headers, by route.",
             ["route"], buckets=UPSTREAM_BUCKETS, registry=r,
+        )
+        self.client_closed = Counter(
+            "gateway_client_closed_requests",
+            "Requests whose client closed the connection before the answer (logged as 499; also in gateway_requests_total as 4xx).",
+            ["route"], registry=r,
+        )
+        # Pool targets are labelled by their configured name (default: host:port), so the
+        # label sets are bounded by the config.
+        self.target_requests = Counter(
+            "gateway_upstream_target_requests", "Attempts sent to each pool target, retries included.",
+            ["target"], registry=r,
+        )
+        self.target_errors = Counter(
+            "gateway_upstream_target_errors",
+            "Failed attempts on each pool target, by kind: connect, reset, timeout, 5xx.",
+            ["target", "kind"], registry=r,
+        )
+        self.target_latency = Histogram(
+            "gateway_upstream_target_latency_seconds", "Time from sending to a pool target to its response headers.",
+            ["target"], buckets=UPSTREAM_BUCKETS, registry=r,
+        )
+        self._checked_targets: frozenset[str] = frozenset()  # see show_targets
+        self._named_targets: frozenset[str] = frozenset()  # see keep_targets
+        self.target_healthy = Gauge(
+            TARGET_HEALTHY,
+            "Worker processes whose active health checks see each checked pool target healthy.",
+            ["target"], registry=r, multiprocess_mode="livesum",
+        )
+        self.target_ejections = Counter(
+            "gateway_upstream_target_ejections",
+            "Times each pool target was taken out of rotation for eject_for after consecutive failures.",
+            ["target"], registry=r,
+        )
+        self.retries = Counter(
+            "gateway_upstream_retries", "Attempts sent to another pool target after a connect failure, by route.",
+            ["route"], registry=r,
+        )
+        # Envoy counts these as upstream_cx_none_healthy and upstream_rq_pending_overflow.
+        self.upstream_unavailable = Counter(
+            "gateway_upstream_unavailable",
+            "Requests answered 503 without being sent upstream, by route and reason: no_target "
+            "(no pool target in rotation) or queue_full (no upstream connection came free within timeout.queue).",
+            ["route", "reason"], registry=r,
         )
         self.shed = Counter(
             "gateway_requests_shed", "Requests answered 503 at once because max_in_flight were already in flight.",
@@ -91,22 +148,88 @@ class Metrics:
             "gateway_build_info", "The running gateway's version.", ["version"], registry=r, multiprocess_mode="max"
         )
         build.labels(version=__version__).set(1)
-        self.reload_failures = Counter(
-            "gateway_config_reload_failures", "Config reloads refused because the new file was invalid; the old config serves on.",
+        self.concurrency_in_flight = Gauge(
+            "gateway_concurrency_in_flight", "Requests in flight admitted by each concurrency limit, summed over workers.",
+            ["limit"], registry=r, multiprocess_mode="livesum",
+        )
+        self.lease_release_failures = Counter(
+            "gateway_concurrency_lease_release_failures",
+            "Concurrency leases whose release kept failing (the store was down) until they expired with their lease_ttl.",
             registry=r,
         )
+        self.access_log_dropped = Counter(
+            "gateway_access_log_dropped",
+            "Access log lines dropped because stdout did not take them: the queue of lines waiting was full "
+            "(gateway.access_log.QUEUE_LINES) or a write failed.",
+            registry=r,
+        )
+        self.log_lines_dropped = Counter(
+            "gateway_log_lines_dropped",
+            "Lines of the gateway's own log dropped because stderr did not take them: the queue of lines waiting "
+            "was full (gateway.log_lines.STDERR_QUEUE_LINES) or a write failed.",
+            registry=r,
+        )
+        self.reload_failures = reload_failures_counter(r)
         self.reload_success = Gauge(
             "gateway_config_last_reload_success_timestamp", "Unix time of the last config reload that took effect (0: none yet).",
             registry=r, multiprocess_mode="max",
         )
+
+    def show_targets(self, names: frozenset[str]) -> None:
+        """The pool targets health checks run for now (gateway.proxy.health_checks), whose
+        gateway_upstream_target_healthy /metrics shows. With several workers a gauge's child
+        cannot be removed: prometheus_client keeps its last value in the workers' files, so a
+        target a reload renamed or dropped would be shown (at 0: out of rotation) until the
+        next restart. It is left out of the exposition instead."""
+        self._checked_targets = names
+
+    def keep_targets(self, names: frozenset[str]) -> None:
+        """The pool targets the config names now, at start and on each reload. The children
+        of a target no longer named leave the registry, so a fleet whose targets change on
+        every deploy does not add a series per target it ever had (200 reloads that each
+        replaced a target left 4,312 samples on /metrics). With several workers, where a
+        child cannot be removed (see show_targets), they are left out of the exposition."""
+        for name in self._named_targets - names:
+            for metric in (self.target_requests, self.target_latency, self.target_ejections):
+                with contextlib.suppress(KeyError):  # never bound
+                    metric.remove(name)
+            kinds = {s.labels["kind"] for f in self.target_errors.collect() for s in f.samples if s.labels["target"] == name}
+            for kind in kinds:
+                self.target_errors.remove(name, kind)
+        self._named_targets = names
 
     def exposition_registry(self) -> CollectorRegistry:
         """What /metrics serves: this process's registry, or every worker's when there are several."""
         if not self._multiprocess:
             return self.registry
         combined = CollectorRegistry()
-        MultiProcessCollector(combined)
+        combined.register(_CurrentTargetsOnly(MultiProcessCollector(None), self))
         return combined
+
+
+class _CurrentTargetsOnly:
+    """The workers' metrics, with the pool target families only for the targets named now,
+    and gateway_upstream_target_healthy only for those checked now."""
+
+    def __init__(self, source: MultiProcessCollector, metrics: Metrics) -> None:
+        self._source = source
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._source.collect():
+            if family.name.startswith(TARGET_METRICS):
+                shown = self._metrics._checked_targets if family.name == TARGET_HEALTHY else self._metrics._named_targets
+                family.samples = [s for s in family.samples if s.labels.get("target") in shown]
+            yield family
+
+
+def reload_failures_counter(registry: CollectorRegistry) -> Counter:
+    """gateway_config_reload_failures_total: a worker's, or with several workers the supervisor's,
+    which checks each reload once for all of them (gateway.server)."""
+    return Counter(
+        "gateway_config_reload_failures", "Config reloads refused because the new file was invalid; the old config serves on.",
+        registry=registry,
+    )
 
 
 def breaker_gauge_setter(gauge: Gauge) -> Callable[[BreakerState], None]:
@@ -118,3 +241,13 @@ def breaker_gauge_setter(gauge: Gauge) -> Callable[[BreakerState], None]:
             child.set(1 if state is current else 0)
 
     return set_state
+
+
+def sample_totals(registry: CollectorRegistry) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Every sample `registry` exposes, by sample name (`gateway_requests_total`), with its
+    labels. Given `Metrics.exposition_registry()`, each counter is summed over the workers."""
+    found: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
+    for family in registry.collect():
+        for sample in family.samples:
+            found[sample.name].append((dict(sample.labels), sample.value))
+    return found

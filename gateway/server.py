@@ -6,22 +6,28 @@ import asyncio
 import gc
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter
 
 from gateway import __version__
-from gateway.access_log import ACCESS_LOG_FORMATS, access_logger, enable_access_log
+from gateway.access_log import ACCESS_LOG_FORMATS, access_logger, close_access_log, enable_access_log
 from gateway.app import Gateway
+from gateway.config import ConfigError, load_config
 from gateway.config.model import GatewayConfig
-from gateway.config.tls import server_context
 from gateway.config.units import Address
 from gateway.limiter.store import StoreError
+from gateway.limiter.worker_resets import WorkerResets
+from gateway.log_lines import close_stderr_log, count_stderr_drops, stderr_line
+from gateway.metrics import reload_failures_counter
 from gateway.proxy.protocol import request_parser
 
 log = logging.getLogger("gateway")
@@ -40,16 +46,28 @@ CUT_SECONDS = 0.1
 DRAIN_POLL_SECONDS = 0.01  # a drain notices the last request within this
 # `--watch` looks at the file this often: an edit takes effect within it, for one stat() a period.
 WATCH_SECONDS = 0.5
+# The supervisor notices a worker's exit at once, and a SIGHUP within this.
+SUPERVISOR_POLL_SECONDS = 0.1
 
 
 class StartupError(Exception):
     """The gateway could not start (an address that cannot be bound); str() is the one line shown."""
 
 
-async def serve(config: GatewayConfig, *, access_log: str | None = None, workers: int = 1, watch: bool = False) -> None:
+async def serve(
+    config: GatewayConfig,
+    *,
+    access_log: str | None = None,
+    workers: int = 1,
+    watch: bool = False,
+    supervisor: int | None = None,
+    resets: WorkerResets | None = None,
+) -> None:
     """Serve until SIGTERM or SIGINT, then drain in-flight requests within `shutdown_grace`.
-    SIGHUP, or with `watch` a change to the config file, reloads the config."""
-    gateway = Gateway(config, multiprocess_metrics=workers > 1)
+    SIGHUP, or with `watch` a change to the config file, reloads the config.
+    A worker given its `supervisor`'s pid stops in the same way once that process is gone;
+    `resets` is the log of bucket resets it shares with the other workers."""
+    gateway = Gateway(config, multiprocess_metrics=workers > 1, resets=resets)
     try:
         await gateway.start()
     except StoreError as exc:
@@ -69,11 +87,21 @@ async def serve(config: GatewayConfig, *, access_log: str | None = None, workers
     await public.setup()
     await admin.setup()
     reuse = workers > 1  # every worker binds the same ports; the kernel spreads connections
+    count_stderr_drops(gateway.metrics.log_lines_dropped.inc)
+    if access_log:
+        enable_access_log(dropped=gateway.metrics.access_log_dropped.inc)
     try:
-        tls = server_context(config.listen_tls) if config.listen_tls else None
-        for runner, address, context in ((public, config.listen, tls), (admin, config.admin_listen, None)):
+        tls = gateway.tls_context
+        sites = (
+            PublicSite(
+                public, config.listen.host, config.listen.port, reuse_port=reuse, ssl_context=tls,
+                handshake_timeout=config.clients.header_timeout,
+            ),
+            web.TCPSite(admin, config.admin_listen.host, config.admin_listen.port, reuse_port=reuse),
+        )
+        for site, address in zip(sites, (config.listen, config.admin_listen)):
             try:
-                await web.TCPSite(runner, address.host, address.port, reuse_port=reuse, ssl_context=context).start()
+                await site.start()
             except OSError as exc:
                 raise StartupError(f"cannot listen on {address}: {os_reason(exc)}") from None
         stop = asyncio.Event()
@@ -82,6 +110,7 @@ async def serve(config: GatewayConfig, *, access_log: str | None = None, workers
             loop.add_signal_handler(signum, stop.set)
         loop.add_signal_handler(signal.SIGHUP, gateway.reload)
         watcher = asyncio.create_task(_watch(config.source, gateway.reload)) if watch else None
+        orphaned = asyncio.create_task(_watch_parent(supervisor, stop)) if supervisor is not None else None
         parser = request_parser()
         if parser != "llhttp":
             log.warning("aiohttp parses requests in pure Python, not llhttp: install a compiled aiohttp wheel")
@@ -97,8 +126,9 @@ async def serve(config: GatewayConfig, *, access_log: str | None = None, workers
             parser,
         )
         await stop.wait()
-        if watcher is not None:
-            watcher.cancel()
+        for task in (watcher, orphaned):
+            if task is not None:
+                task.cancel()
         gateway.draining = True
         grace = gateway.config.shutdown_grace
         log.info("draining in-flight requests (up to %gs)", grace)
@@ -114,7 +144,40 @@ async def serve(config: GatewayConfig, *, access_log: str | None = None, workers
         await public.cleanup()
         await admin.cleanup()
         await gateway.close()
+        close_access_log()
     log.info("stopped")
+
+
+class PublicSite(web.TCPSite):
+    """aiohttp's TCPSite, but a TLS handshake must finish within `handshake_timeout`
+    (client_header_timeout), as nginx bounds it, not asyncio's default 60 s: until the
+    handshake is done the connection has no protocol, so bounded_protocol's head timer has
+    not started, and a client that sends half a ClientHello held its socket that long.
+    TCPSite passes no ssl_handshake_timeout, so start() is its own, with the same fields."""
+
+    __slots__ = ("_handshake_timeout",)
+
+    def __init__(self, *args: Any, handshake_timeout: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._handshake_timeout = handshake_timeout
+
+    async def start(self) -> None:
+        if self._ssl_context is None:
+            await super().start()
+            return
+        await web.BaseSite.start(self)
+        assert self._runner.server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            self._runner.server,
+            self._host,
+            self._port,
+            ssl=self._ssl_context,
+            ssl_handshake_timeout=self._handshake_timeout,
+            backlog=self._backlog,
+            reuse_address=self._reuse_address,
+            reuse_port=self._reuse_port,
+        )
+        self._bound_port = self._server.sockets[0].getsockname()[1]
 
 
 async def _watch(path: str, reload: Callable[[], object]) -> None:
@@ -127,6 +190,17 @@ async def _watch(path: str, reload: Callable[[], object]) -> None:
         if state != seen:
             seen = state
             reload()
+
+
+async def _watch_parent(supervisor: int, stop: asyncio.Event) -> None:
+    """Set `stop` once `supervisor` is no longer this process's parent: it was killed
+    (SIGKILL, the OOM killer) without passing a SIGTERM on. The worker then drains and
+    exits as on SIGTERM, rather than serving on, orphaned, on the shared ports that the
+    next `gateway run` would find taken."""
+    while os.getppid() == supervisor:
+        await asyncio.sleep(WATCH_SECONDS)
+    log.warning("the supervisor (pid %d) is gone: stopping", supervisor)
+    stop.set()
 
 
 def _file_state(path: str) -> tuple[int, int, int] | None:
@@ -163,31 +237,40 @@ def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
 
 
 def run(config: GatewayConfig, *, access_log: str | None = None, watch: bool = False) -> int:
-    if access_log:
-        enable_access_log()
     if config.workers == 1:
         _run_loop(config, access_log, 1, watch)
         return 0
     return _supervise(config, access_log, watch)
 
 
-def _run_loop(config: GatewayConfig, access_log: str | None, workers: int, watch: bool = False) -> None:
+def _run_loop(
+    config: GatewayConfig,
+    access_log: str | None,
+    workers: int,
+    watch: bool = False,
+    supervisor: int | None = None,
+    resets: WorkerResets | None = None,
+) -> None:
     # A forked worker must not run the supervisor's handlers before its loop installs its own.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload before the loop serves: nothing to reload yet
     try:
-        run_event_loop(serve(config, access_log=access_log, workers=workers, watch=watch))
+        run_event_loop(
+            serve(config, access_log=access_log, workers=workers, watch=watch, supervisor=supervisor, resets=resets)
+        )
     except KeyboardInterrupt:
         pass  # SIGINT while starting, before serve() handles it: a stop like any other
 
 
-def _worker(config: GatewayConfig, access_log: str | None, watch: bool) -> None:
+def _worker(config: GatewayConfig, access_log: str | None, watch: bool, supervisor: int, resets: WorkerResets) -> None:
     try:
-        _run_loop(config, access_log, config.workers, watch)
+        _run_loop(config, access_log, config.workers, watch, supervisor, resets)
     except StartupError as exc:
-        print(f"gateway: {exc}", file=sys.stderr)
+        stderr_line(f"gateway: {exc}")
         sys.exit(EXIT_STARTUP)
+    finally:
+        close_stderr_log()  # multiprocessing ends a worker with os._exit, which logging's shutdown does not see
 
 
 def check_bindable(address: Address) -> None:
@@ -209,15 +292,23 @@ def check_bindable(address: Address) -> None:
 
 
 def _supervise(config: GatewayConfig, access_log: str | None, watch: bool) -> int:
-    """Start `workers` processes on shared ports; pass SIGTERM/SIGINT/SIGHUP on; exit when they have."""
+    """Start `workers` processes on shared ports; pass SIGTERM/SIGINT on; exit when they have.
+
+    A reload (SIGHUP, or with `watch` a change to the file) is checked here first: a bad
+    file is refused once, in one log line and one count of gateway_config_reload_failures_total,
+    rather than once by each worker, and the workers go on as they are. A good one is
+    passed on as SIGHUP, and each worker reloads it."""
     check_bindable(config.listen)
     check_bindable(config.admin_listen)
     context = multiprocessing.get_context("fork")
+    resets = WorkerResets()  # mapped before the fork, so every worker shares it
     processes = [
-        context.Process(target=_worker, args=(config, access_log, watch), name=f"gateway-worker-{i}")
+        # The workers do not watch the file themselves: the supervisor does, for all of them.
+        context.Process(target=_worker, args=(config, access_log, False, os.getpid(), resets), name=f"gateway-worker-{i}")
         for i in range(config.workers)
     ]
     received: list[int] = []
+    reloads: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
         received.append(signum)
@@ -225,29 +316,63 @@ def _supervise(config: GatewayConfig, access_log: str | None, watch: bool) -> in
             if process.pid is not None and process.exitcode is None:
                 os.kill(process.pid, signum)
 
-    def reload(signum: int, _frame: object) -> None:
-        for process in processes:  # every worker reads the file itself and keeps serving if it is bad
-            if process.pid is not None and process.exitcode is None:
-                os.kill(process.pid, signum)
-
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGHUP, reload)
+    signal.signal(signal.SIGHUP, lambda signum, _frame: reloads.append(signum))
     for process in processes:
         process.start()
     if received:  # a signal that came while some workers were not started yet
         forward(received[-1], None)
+    reload = _SupervisorReload(config.source, processes)
+    seen = _file_state(config.source)
+    next_look = time.monotonic() + WATCH_SECONDS
     status = 0
     while any(p.is_alive() for p in processes):
+        multiprocessing.connection.wait([p.sentinel for p in processes if p.is_alive()], timeout=SUPERVISOR_POLL_SECONDS)
+        if watch and time.monotonic() >= next_look:
+            next_look = time.monotonic() + WATCH_SECONDS
+            state = _file_state(config.source)
+            if state != seen:
+                seen = state
+                reloads.append(signal.SIGHUP)
+        if reloads and not received:
+            reloads.clear()
+            reload()
         for process in processes:
-            process.join(timeout=0.2)
             if process.exitcode not in (None, 0) and not received and status == 0:
                 if process.exitcode == EXIT_STARTUP:
                     status = EXIT_STARTUP  # the worker has printed why
                 else:
                     status = 1
-                    print(f"gateway: worker {process.name} exited with {process.exitcode}; stopping", file=sys.stderr)
+                    message = f"gateway: worker {process.name} exited with {process.exitcode}; stopping"
+                    stderr_line(message)
                 for other in processes:
                     if other.is_alive():
                         other.terminate()
+    for process in processes:
+        process.join()
     return status
+
+
+class _SupervisorReload:
+    """Checks the config file for the workers, and passes a good one on to them."""
+
+    def __init__(self, source: str, processes: list[Any]) -> None:
+        self._source = source
+        self._processes = processes
+        self._failures: Counter | None = None
+
+    def __call__(self) -> None:
+        try:
+            load_config(self._source)
+        except ConfigError as exc:
+            if self._failures is None:
+                # Made now, after the fork: this process's own file in the metrics directory,
+                # which /metrics sums with the workers' (their own count stays 0).
+                self._failures = reload_failures_counter(CollectorRegistry())
+            self._failures.inc()
+            log.error("config reload failed, the old config serves on: %s", exc)
+            return
+        for process in self._processes:
+            if process.pid is not None and process.exitcode is None:
+                os.kill(process.pid, signal.SIGHUP)

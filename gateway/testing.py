@@ -21,6 +21,7 @@ from aiohttp import web
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, parse_config
 from gateway.config.units import Address
+from gateway.server import PublicSite
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ def config_from_yaml(text: str, *, environ: dict[str, str] | None = None) -> Gat
 
 @contextlib.asynccontextmanager
 async def running_gateway(config: GatewayConfig | str) -> AsyncIterator[RunningGateway]:
-    """Serve `config` (a GatewayConfig or YAML text) on 127.0.0.1 with free ports."""
+    """Serve `config` (a GatewayConfig or YAML text) on 127.0.0.1 with free ports, the
+    public one over TLS if it has `listen.tls` (`url` is then https://)."""
     if isinstance(config, str):
         config = config_from_yaml(config)
     config = dataclasses.replace(
@@ -49,11 +51,13 @@ async def running_gateway(config: GatewayConfig | str) -> AsyncIterator[RunningG
     await public.setup()
     await admin.setup()
     try:
-        await web.TCPSite(public, "127.0.0.1", 0).start()
+        await PublicSite(
+            public, "127.0.0.1", 0, ssl_context=gateway.tls_context, handshake_timeout=config.clients.header_timeout
+        ).start()
         await web.TCPSite(admin, "127.0.0.1", 0).start()
         yield RunningGateway(
             gateway=gateway,
-            url=f"http://127.0.0.1:{public.addresses[0][1]}",
+            url=f"{'https' if gateway.tls_context else 'http'}://127.0.0.1:{public.addresses[0][1]}",
             admin_url=f"http://127.0.0.1:{admin.addresses[0][1]}",
         )
     finally:

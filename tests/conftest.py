@@ -1,9 +1,12 @@
-"""Fixtures every test module may use: a real aiohttp upstream, a private redis-server, an HTTP client."""
+"""Fixtures every test module may use: a real aiohttp upstream, a private redis-server, a master
+with a replica watched by three sentinels, an HTTP client."""
+
+import contextlib
 
 import aiohttp
 import pytest
 
-from tests.processes import RedisServer
+from tests.processes import RedisServer, SentinelServer, wait_until
 from tests.upstream import running_upstream
 
 
@@ -33,3 +36,24 @@ async def client():
     Cookie headers as set (with a cookie jar, aiohttp re-parses and rewrites them)."""
     async with aiohttp.ClientSession(auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()) as session:
         yield session
+
+
+@pytest.fixture
+def sentinel_group():
+    """(master, replica, sentinels), the replica known to every sentinel."""
+    with contextlib.ExitStack() as stack:
+        # No 5 s wait before the replica's first sync (Redis's default for diskless sync).
+        master = stack.enter_context(RedisServer("--repl-diskless-sync-delay", "0"))
+        replica = stack.enter_context(RedisServer("--replicaof", "127.0.0.1", str(master.port)))
+        sentinels = [stack.enter_context(SentinelServer(master.port)) for _ in range(3)]
+
+        def replica_known() -> bool:
+            if replica.client().info("replication").get("master_link_status") != "up":
+                return False  # not synced yet: a failover now would lose everything
+            return all(
+                any(r["port"] == replica.port and "s_down" not in r["flags"] for r in s.client().sentinel_slaves("mymaster"))
+                for s in sentinels
+            ) and all(len(s.client().sentinel_sentinels("mymaster")) == 2 for s in sentinels)
+
+        wait_until(replica_known, deadline=20, what="the sentinels to know the replica and each other")
+        yield master, replica, sentinels

@@ -16,6 +16,8 @@ script can tell the difference:
   Other argument types are an error.
 - `TIME` returns two strings, {seconds, microseconds}, from the test's clock.
 - `HMGET` returns `false` for a missing field or key (a nil bulk reply).
+- `PTTL` is -2 for a missing key, -1 for one without expiry, else the whole
+  milliseconds left (never below 0).
 - `PEXPIRE` takes an integer only: a string Redis's `string2ll` would refuse
   (`1e+17`, `12.5`) is the error Redis gives. A key expires when the clock in
   whole milliseconds passes its deadline (`now > when`), as Redis decides.
@@ -111,6 +113,11 @@ class FakeRedis:
             else:
                 self.deadlines[key] = self.milliseconds + int(ttl)
             return 1
+        if command == "PTTL":
+            if self._live(args[0]) is None:
+                return -2
+            deadline = self.deadlines.get(args[0])
+            return -1 if deadline is None else max(0, deadline - self.milliseconds)
         raise RedisScriptError(f"ERR the bridge does not implement {command}")
 
 

@@ -14,7 +14,8 @@ differently: the script refills `elapsed / 1000 * rate`, the model
   leaves millions of ulps for a long run. A lost refill, a double charge or a
   unit slip is at least a millionth of a token at the rates covered.
 - **Decisions** are identical, and each carrier decides by its own balance
-  (allowed exactly when every bucket holds its cost). The one exception is a
+  (allowed exactly when every bucket holds its cost, less the debt it may run
+  into when it shapes: `balance - cost >= -debt`). The one exception is a
   *rounding tie*: the cost lies between the two balances, which agree to within
   the same tolerance. Two carriers that round in a different order cannot
   agree bit for bit at such a point. Two examples:
@@ -82,9 +83,11 @@ def agree(
 
     # Each carrier decides by its own balances.
     if script_allowed:
-        consistent = all(r >= 0 for r in script_remaining)
+        consistent = all(r >= -spec.debt for r, spec in zip(script_remaining, specs))
     else:
-        consistent = any(r < spec.cost for r, spec in zip(script_remaining, specs))
+        consistent = any(
+            r - spec.cost < -spec.debt or spec.cost > spec.capacity for r, spec in zip(script_remaining, specs)
+        )
     if not consistent:
         result.problems.append(f"the script decided allowed={script_allowed} against its own balances {script_remaining}")
     for mine, theirs, spec in zip(found, script_found, specs):
@@ -94,7 +97,7 @@ def agree(
         split = [
             (theirs, mine.tokens, spec)
             for mine, theirs, spec in zip(found, script_found, specs)
-            if (theirs >= spec.cost) != (mine.tokens >= spec.cost)
+            if spec.cost <= spec.capacity and (theirs - spec.cost >= -spec.debt) != (mine.tokens - spec.cost >= -spec.debt)
         ]
         if split and all(within(t, m, TOLERANCE, s.capacity) for t, m, s in split):
             result.ties += 1

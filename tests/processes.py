@@ -5,6 +5,8 @@ Redis on port 6379."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import inspect
 import os
 import re
@@ -16,9 +18,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import redis
+import yaml
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 START_DEADLINE = 15.0
@@ -63,12 +68,16 @@ class RedisServer:
     PING in 10-30 ms: a genuine store timeout, but one a real deployment does
     not have. Load tests that count fail_open at the 10 ms default use it."""
 
-    def __init__(self, *extra_args: str, dedicated: bool = False, password: str | None = None) -> None:
-        """`password`: the one `--requirepass` in `extra_args` sets, for this helper's own clients."""
+    def __init__(
+        self, *extra_args: str, dedicated: bool = False, password: str | None = None, env: dict[str, str] | None = None
+    ) -> None:
+        """`password`: the one `--requirepass` in `extra_args` sets, for this helper's own clients.
+        `env`: added to the server's environment (libfaketime's, to shift its clock)."""
         self.port = free_port()
         self._extra = extra_args
         self._password = password
         self._dedicated = dedicated
+        self._env = {**os.environ, **env} if env else None
         self._dir = tempfile.mkdtemp(prefix="gateway-test-redis-")
         self.process: subprocess.Popen | None = None
 
@@ -83,7 +92,7 @@ class RedisServer:
         self.process = subprocess.Popen(
             [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self._dir, "--daemonize", "no", *self._extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self._env,
         )
         if self._dedicated:
             os.sched_setscheduler(self.process.pid, os.SCHED_FIFO, os.sched_param(10))
@@ -269,12 +278,30 @@ class SentinelServer:
 _LISTENING_RE = re.compile(r"listening on (https?)://(\S+):(\d+) \(admin http://(\S+):(\d+)\)")
 
 
+def on_free_ports(config_text: str) -> str:
+    """`config_text` with `listen` and `admin_listen` on ports the kernel picks (127.0.0.1:0)
+    where it names none: the defaults, 8080 and 9090, may be taken on the machine (by a
+    demo, or another suite), and a test must not depend on them. Text that is no mapping
+    (a test of a broken file) is left as it is."""
+    try:
+        parsed = yaml.safe_load(config_text)
+    except yaml.YAMLError:
+        return config_text
+    if not isinstance(parsed, dict) or config_text.lstrip().startswith("{"):
+        return config_text
+    missing = "".join(f"{key}: 127.0.0.1:0\n" for key in ("listen", "admin_listen") if key not in parsed)
+    return missing + config_text
+
+
 class GatewayProcess:
     """`python -m gateway run -c FILE`, started as a user starts it. Listens on ports
     chosen by the kernel (port 0) and learns them from the startup line.
 
     `module` runs another entry point with the same command line: a test launcher
-    such as `tests.instrumented_gateway`."""
+    such as `tests.instrumented_gateway`. With `read_stdout=False` nothing reads its
+    stdout, a consumer that stalled, until the test calls `read_stdout()`; with
+    `read_stderr=False` nothing reads its stderr past the startup line until the
+    test calls `read_stderr()`."""
 
     def __init__(
         self,
@@ -284,20 +311,26 @@ class GatewayProcess:
         env: dict[str, str] | None = None,
         command: str = "run",
         module: str = "gateway",
+        read_stdout: bool = True,
+        read_stderr: bool = True,
     ) -> None:
         handle = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="gateway-test-", delete=False)
         with handle:
-            handle.write(config_text)
+            handle.write(on_free_ports(config_text))
         self.config_path = Path(handle.name)
         self._args = args
         self._command = command  # "run", or "demo" for the quick start
         self._module = module
+        self._read_stdout = read_stdout
         self._env = {**os.environ, **(env or {})}
         self.process: subprocess.Popen | None = None
         self.stderr_lines: list[str] = []
         self.stdout_lines: list[str] = []
         self._readers: list[threading.Thread] = []
         self._listening = threading.Event()
+        self._stderr_read = threading.Event()
+        if read_stderr:
+            self._stderr_read.set()
         self.url = self.admin_url = ""
 
     def start(self) -> GatewayProcess:
@@ -305,16 +338,27 @@ class GatewayProcess:
             [sys.executable, "-m", self._module, self._command, "-c", str(self.config_path), *self._args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self._env,
         )
-        self._readers = [
-            threading.Thread(target=self._read, args=(self.process.stderr, self.stderr_lines, True), daemon=True),
-            threading.Thread(target=self._read, args=(self.process.stdout, self.stdout_lines, False), daemon=True),
-        ]
-        for reader in self._readers:
-            reader.start()
+        self._start_reader(self.process.stderr, self.stderr_lines, True)
+        if self._read_stdout:
+            self.read_stdout()
         if not self._listening.wait(START_DEADLINE) or not self.url:
             self.stop()
             raise AssertionError("gateway did not start:\n" + "".join(self.stderr_lines))
         return self
+
+    def read_stdout(self) -> None:
+        """Start collecting stdout into `stdout_lines`."""
+        assert self.process is not None
+        self._start_reader(self.process.stdout, self.stdout_lines, False)
+
+    def read_stderr(self) -> None:
+        """Read stderr on past the startup line (see read_stderr=False)."""
+        self._stderr_read.set()
+
+    def _start_reader(self, stream, lines: list[str], watch: bool) -> None:
+        reader = threading.Thread(target=self._read, args=(stream, lines, watch), daemon=True)
+        self._readers.append(reader)
+        reader.start()
 
     def _read(self, stream, lines: list[str], watch: bool) -> None:
         for line in stream:
@@ -324,6 +368,7 @@ class GatewayProcess:
                 self.url = f"{match.group(1)}://{match.group(2)}:{match.group(3)}"
                 self.admin_url = f"http://{match.group(4)}:{match.group(5)}"
                 self._listening.set()
+                self._stderr_read.wait()
         if watch:
             self._listening.set()
 
@@ -345,6 +390,7 @@ class GatewayProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self._stderr_read.set()
         for reader in self._readers:
             reader.join(timeout=5)  # they end at EOF, once the process and its children are gone
         for pipe in (self.process.stdout, self.process.stderr):
@@ -366,6 +412,21 @@ class GatewayProcess:
     def __exit__(self, *exc: object) -> None:
         self.stop()
         self.config_path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def gateway_fleet(config_text: str, count: int, **kwargs: Any) -> Iterator[list[GatewayProcess]]:
+    """`count` gateway processes of one config (a fleet sharing its store), started in
+    parallel; every one is stopped at the end, however the block ends. `kwargs` go to each
+    GatewayProcess."""
+    gateways = [GatewayProcess(config_text, **kwargs) for _ in range(count)]
+    with contextlib.ExitStack() as stack:
+        for gateway in gateways:
+            stack.callback(gateway.__exit__, None, None, None)
+        with concurrent.futures.ThreadPoolExecutor(count) as starting:
+            for started in [starting.submit(gateway.start) for gateway in gateways]:
+                started.result()
+        yield gateways
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess:

@@ -53,7 +53,7 @@ local reply = shipped()
 for i = 1, #KEYS do
   local seq = shipped_redis.call('INCR', KEYS[i] .. '%s')
   shipped_redis.call('RPUSH', KEYS[i] .. '%s', cjson.encode({
-    tostring(seq), decided_at[1], decided_at[2], KEYS[i], ARGV[3 * i - 2], ARGV[3 * i - 1], ARGV[3 * i],
+    tostring(seq), decided_at[1], decided_at[2], KEYS[i], ARGV[4 * i - 2], ARGV[4 * i - 1], ARGV[4 * i],
     tostring(reply[1]), reply[2][i], tostring(reply[3]),
   }))
 end
@@ -85,7 +85,7 @@ class Decision:
         seq, seconds, micros, key, capacity, rate, cost, allowed, remaining, retry_ms = json.loads(entry)
         return cls(
             seq=int(seq), seconds=int(seconds), microseconds=int(micros), key=key, capacity=float(capacity),
-            rate=float(rate), cost=int(cost), allowed=allowed == "1", remaining=remaining, retry_ms=int(retry_ms),
+            rate=float(rate), cost=int(float(cost)), allowed=allowed == "1", remaining=remaining, retry_ms=int(retry_ms),
         )
 
     @property

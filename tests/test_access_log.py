@@ -7,13 +7,19 @@ to the upstream, generated when absent, and returned to the client."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
+import re
+import signal
 
 import aiohttp
 import pytest
 
+from gateway.access_log import FLUSH_SECONDS, QUEUE_LINES
 from gateway.testing import running_gateway
-from tests.processes import GatewayProcess
+from tests.processes import GatewayProcess, eventually, run_cli
+from tests.raw_client import raw_exchange
+from tests.scrape import scrape, value
 
 API_KEY = "sk-live-7f3a9c1e5b"
 QUERY_KEY = "qk-9d2e4f6a8b"
@@ -54,6 +60,8 @@ async def run_logged(upstream: str, fmt: str) -> tuple[GatewayProcess, list[tupl
             await send(gw, f"/query/c?api_key={QUERY_KEY}&page=2"),
             await send(gw, "/status/503", **{"X-Request-ID": "client-chosen-42"}),
         ]
+        async with aiohttp.ClientSession() as http:
+            assert value((await scrape(http, gw.admin_url))[1], "gateway_access_log_dropped_total") == 0
         assert await asyncio.to_thread(gw.stop) == 0
     return gw, answers
 
@@ -101,6 +109,58 @@ async def test_text_access_log_carries_the_same_on_one_line_each(upstream):
     assert_no_secret_in(gw.stdout_lines + gw.stderr_lines)
 
 
+async def test_duration_is_timed_finer_than_the_event_loop_clock(upstream):
+    """uvloop's loop.time(), which aiohttp times requests with, moves in whole milliseconds
+    and only once per loop iteration: a fast answer was logged as 0.0 ms, and shorter than
+    its own upstream exchange."""
+    with GatewayProcess(logged_yaml(upstream), args=("--access-log", "json")) as gw:
+        async with aiohttp.ClientSession() as http:
+            for path in ["/plain"] * 10 + ["/slow?seconds=0.02"] * 3:
+                async with http.get(gw.url + path) as response:
+                    await response.read()
+        assert await asyncio.to_thread(gw.stop) == 0
+    records = [json.loads(line) for line in gw.stdout_lines]
+    assert len(records) == 13
+    assert all(r["duration_ms"] > 0 for r in records), [r["duration_ms"] for r in records]
+    assert any(r["duration_ms"] != int(r["duration_ms"]) for r in records), [r["duration_ms"] for r in records]
+    for r in records:
+        assert r["duration_ms"] >= r["upstream_ms"], r  # the whole request outlasts its upstream part
+    assert all(r["duration_ms"] >= 20 for r in records[10:])
+
+
+async def test_a_websocket_handshake_logs_and_times_the_upstream_answer(upstream):
+    """The upstream's answer to a handshake (101, or the status it refused with) is its
+    upstream_status, as an HTTP response's is, and is timed in gateway_upstream_latency_seconds."""
+    with GatewayProcess(logged_yaml(upstream), args=("--access-log", "json")) as gw:
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(gw.url + "/ws") as ws:
+                await ws.send_str("hi")
+                assert (await ws.receive()).data == "echo:hi"
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await http.ws_connect(gw.url + "/status/403")
+            assert refused.value.status == 502
+            samples = (await scrape(http, gw.admin_url))[1]
+        assert await asyncio.to_thread(gw.stop) == 0
+    accepted, turned_away = (json.loads(line) for line in gw.stdout_lines)
+    assert (accepted["status"], accepted["upstream_status"]) == (101, 101)
+    assert (turned_away["status"], turned_away["upstream_status"]) == (502, 403)
+    assert accepted["upstream_ms"] > 0 and turned_away["upstream_ms"] > 0
+    assert value(samples, "gateway_upstream_latency_seconds_count", route="/") == 2
+
+
+async def test_the_credentials_of_an_absolute_form_target_are_not_logged(upstream):
+    """`GET http://user:password@host/path` is routed by its path; the user information,
+    a credential like a query's API key, is written as `***`."""
+    request = b"GET http://ops:hunter2-pw@gw.test/echo?q=1 HTTP/1.1\r\nHost: gw.test\r\nConnection: close\r\n\r\n"
+    for fmt in ("json", "text"):
+        with GatewayProcess(logged_yaml(upstream), args=("--access-log", fmt)) as gw:
+            assert (await raw_exchange(gw.url, request))[0] == 200
+            assert await asyncio.to_thread(gw.stop) == 0
+        (line,) = gw.stdout_lines
+        assert "hunter2" not in line and "ops" not in line, line
+        assert "GET http://***@gw.test/echo?q=***" in (f"GET {json.loads(line)['path']}" if fmt == "json" else line)
+
+
 async def echoed_request_id(http: aiohttp.ClientSession, url: str, **headers: str) -> tuple[list[str], str | None]:
     async with http.get(url, headers=headers) as response:
         seen = [v for k, v in (await response.json())["headers"] if k.lower() == "x-request-id"]
@@ -132,3 +192,157 @@ async def test_a_rejected_request_returns_its_request_id_too(upstream):
         for expected in (200, 429):
             async with http.get(gw.url + "/keyed/x", headers={"X-API-Key": "k", "X-Request-ID": "r1"}) as response:
                 assert (response.status, response.headers.get("X-Request-ID")) == (expected, "r1")
+
+
+async def test_the_config_file_can_turn_the_access_log_on(upstream):
+    """`access_log: json` in the YAML does what `--access-log json` does; the flag, when given, wins."""
+    async with aiohttp.ClientSession() as http:
+        for setting, args, expect_json in (("json", (), True), ("json", ("--access-log", "text"), False)):
+            with GatewayProcess(f"access_log: {setting}\n" + logged_yaml(upstream), args=args) as gw:
+                async with http.get(gw.url + "/plain") as response:
+                    assert response.status == 200
+                assert await asyncio.to_thread(gw.stop) == 0
+            (line,) = gw.stdout_lines
+            assert line.startswith("{") is expect_json, line
+        with GatewayProcess("access_log: off\n" + logged_yaml(upstream)) as gw:
+            async with http.get(gw.url + "/plain") as response:
+                assert response.status == 200
+            assert await asyncio.to_thread(gw.stop) == 0
+        assert gw.stdout_lines == []
+
+
+def test_an_unknown_access_log_format_is_a_one_line_error(tmp_path):
+    config = tmp_path / "gateway.yaml"
+    config.write_text("access_log: xml\n" + logged_yaml("http://127.0.0.1:9"))
+    result = run_cli("check", "-c", str(config))
+    assert result.returncode != 0
+    assert result.stderr.strip().count("\n") == 0 and "access_log: expected off, text or json, got 'xml'" in result.stderr
+
+
+# Values a client controls that reach a line: a User-Agent that forges the fields after it,
+# a quote and a backslash in the target (refused, and still logged), and bytes that are
+# line breaks or terminal escapes to some reader (ESC, U+2028, U+0085, invalid UTF-8).
+FORGED = b'x" 200 0 0.1ms "y" client=6.6.6.6 request_id=forged route="/" decision=allow'
+HOSTILE_REQUESTS = (
+    (b"GET /echo", FORGED),
+    (b'GET /echo/a"b\\c', b"curl"),
+    (b"GET /echo/%0d%0a%1b[31m?q=%0d%0a", b"\\\" \xe2\x80\xa8 \xc2\x85 \xff\xfe \xc3\xa9"),
+)
+TEXT_LINE = re.compile(
+    r'\S+ 127\.0\.0\.1 "(GET [^"]*)" (\d{3}) \d+ [\d.]+ms "([^"]*)" client=127\.0\.0\.1 request_id=[0-9a-f]{32} '
+    r'route=(?:-|"/") decision=- limits=- upstream_status=(?:-|200) upstream_ms=\S+ upstream_target=-'
+)
+
+
+def unescaped(text: str) -> bytes:
+    return re.sub(rb"\\x([0-9A-F]{2})", lambda m: bytes([int(m.group(1), 16)]), text.encode("ascii"))
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+async def test_hostile_request_targets_and_user_agents_stay_one_unforgeable_line_each(upstream, fmt):
+    with GatewayProcess(logged_yaml(upstream), args=("--access-log", fmt)) as gw:
+        statuses = []
+        for line, agent in HOSTILE_REQUESTS:
+            request = line + b" HTTP/1.1\r\nHost: gw\r\nUser-Agent: " + agent + b"\r\nConnection: close\r\n\r\n"
+            statuses.append((await raw_exchange(gw.url, request))[0])
+        assert await asyncio.to_thread(gw.stop) == 0
+    assert statuses == [200, 400, 400]
+    lines = "".join(gw.stdout_lines).splitlines()  # splits at U+2028 and U+0085 too
+    assert len(lines) == len(HOSTILE_REQUESTS), lines
+    for line, (sent_line, agent) in zip(lines, HOSTILE_REQUESTS):
+        if fmt == "json":
+            record = json.loads(line)
+            assert (record["client"], record["route"] is None) == ("127.0.0.1", sent_line != b"GET /echo")
+            logged_line, logged_agent = f"{record['method']} {record['path']}", record["user_agent"]
+        else:
+            match = TEXT_LINE.fullmatch(line)
+            assert match is not None, line
+            logged_line, logged_agent = match.group(1), match.group(3)
+            logged_line, logged_agent = unescaped(logged_line).decode(), unescaped(logged_agent).decode("utf-8", "surrogateescape")
+        assert logged_line == sent_line.decode().partition("?")[0] + ("?q=***" if b"?" in sent_line else "")
+        assert logged_agent == agent.decode("utf-8", "surrogateescape")
+
+
+# The gateway answers /nowhere itself (404), so requests come quickly and need no upstream.
+STALL_YAML = """
+listen: 127.0.0.1:0
+admin_listen: 127.0.0.1:0
+shutdown_grace: 1s
+routes:
+  - match: {path: /proxied}
+    upstream: http://127.0.0.1:9
+"""
+SENDERS = 8
+# A pipe holds 64 KiB, about 160 of these lines: 2,000 leave most of them queued.
+QUEUED = 2_000
+
+
+async def send_numbered(gw: GatewayProcess, count: int) -> None:
+    """`count` requests from SENDERS clients at once, each numbering its own in X-Request-ID
+    (`s3-41`); each must be answered, and within its timeout."""
+    timeout = aiohttp.ClientTimeout(total=10)
+
+    async def sender(k: int) -> None:
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            for i in range(count // SENDERS):
+                async with http.get(gw.url + "/nowhere", headers={"X-Request-ID": f"s{k}-{i}"}) as response:
+                    assert response.status == 404
+
+    await asyncio.gather(*(sender(k) for k in range(SENDERS)))
+
+
+def numbers_by_sender(lines: list[str]) -> dict[str, list[int]]:
+    """Each sender's request numbers, in the order of the lines; every line must be whole JSON."""
+    numbers = collections.defaultdict(list)
+    for line in lines:
+        sender, _, number = json.loads(line)["request_id"].partition("-")
+        numbers[sender].append(int(number))
+    return numbers
+
+
+async def test_a_stalled_stdout_costs_access_lines_never_requests():
+    """Nothing reads stdout: requests are answered all the same, /metrics too, and each line
+    that found the queue full is counted dropped. Read at last, the kept lines come out whole."""
+    sent = 2 * QUEUE_LINES
+    with GatewayProcess(STALL_YAML, args=("--access-log", "json"), read_stdout=False) as gw:
+        await send_numbered(gw, sent)
+        async with aiohttp.ClientSession() as http:
+
+            async def dropped() -> float:
+                return value((await scrape(http, gw.admin_url))[1], "gateway_access_log_dropped_total")
+
+            assert await dropped() > 0
+            gw.read_stdout()
+
+            async def every_line_accounted() -> bool:
+                return len(gw.stdout_lines) + await dropped() == sent
+
+            await eventually(every_line_accounted, what="each request's line written or counted dropped")
+            dropped_count = await dropped()
+        assert await asyncio.to_thread(gw.stop) == 0
+    assert len(gw.stdout_lines) + dropped_count == sent  # and nothing more came at the stop
+    assert len(gw.stdout_lines) >= QUEUE_LINES
+    # Lines are dropped only while the queue is full, and it never drains while stdout is
+    # not read: each sender's kept lines are its first requests, in order.
+    numbers = numbers_by_sender(gw.stdout_lines)
+    assert all(kept == list(range(len(kept))) for kept in numbers.values()), numbers
+    assert "Traceback" not in "".join(gw.stderr_lines)
+
+
+async def test_the_lines_queued_at_a_stop_are_written_before_the_exit():
+    with GatewayProcess(STALL_YAML, args=("--access-log", "json"), read_stdout=False) as gw:
+        await send_numbered(gw, QUEUED)
+        gw.signal(signal.SIGTERM)
+        await eventually(lambda: any("access log lines still queued" in line for line in gw.stderr_lines), what="the final write")
+        gw.read_stdout()  # the consumer comes back as the gateway writes its last lines
+        assert await asyncio.to_thread(gw.wait) == 0
+    numbers = numbers_by_sender(gw.stdout_lines)
+    assert numbers == {f"s{k}": list(range(QUEUED // SENDERS)) for k in range(SENDERS)}
+
+
+async def test_a_stop_exits_within_the_grace_when_stdout_is_blocked():
+    """shutdown_grace is 1s; the queued lines get FLUSH_SECONDS more, then are given up."""
+    with GatewayProcess(STALL_YAML, args=("--access-log", "json"), read_stdout=False) as gw:
+        await send_numbered(gw, QUEUED)
+        gw.signal(signal.SIGTERM)
+        assert await asyncio.to_thread(gw.wait, 1 + FLUSH_SECONDS + 3) == 0

@@ -72,6 +72,32 @@ async def test_metrics_count_requests_decisions_and_latencies_by_route(upstream,
         assert sample.labels.get("method", "GET") in KNOWN_METHODS | {"OTHER"}
 
 
+async def test_limiter_latency_times_each_request_that_had_limits_decided_once(upstream, client):
+    """A concurrency limit's admission is a store call too: a route with only concurrency limits
+    is timed, and a route with both kinds is one observation a request, not two."""
+    yaml = f"""
+limits:
+  per_ip: {{rate: 100/second, burst: 100}}
+  conns: {{concurrency: 10}}
+routes:
+  - match: {{path: /conns}}
+    upstream: {upstream}
+    limits: [conns]
+  - match: {{path: /both}}
+    upstream: {upstream}
+    limits: [per_ip, conns]
+  - match: {{path: /}}
+    upstream: {upstream}
+"""
+    async with running_gateway(yaml) as gw:
+        for path in ("/conns", "/conns", "/conns", "/both", "/both", "/free"):
+            async with client.get(gw.url + path) as response:
+                assert response.status == 200
+        samples = (await scrape(client, gw.admin_url))[1]
+    assert value(samples, "gateway_limiter_latency_seconds_count") == 5
+    assert value(samples, "gateway_limiter_latency_seconds_bucket", le="+Inf") == 5
+
+
 async def test_a_method_outside_the_known_set_is_labelled_other(upstream, client):
     async with running_gateway(admin_config(upstream)) as gw:
         for method in ("PROPFIND", "MKCOL", "BREW"):

@@ -1,7 +1,7 @@
 """The admin API on the admin listener: inspect and reset a client's bucket (on the
 in-process store, one Redis and a Redis Cluster), the top limited clients, the
-effective config with its secrets redacted, the bearer token, and none of it on
-the public listener."""
+effective config with its secrets redacted, the pool targets' figures in /stats,
+the bearer token, and none of it on the public listener."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import json
 
 import pytest
 
+from gateway.config import load_config
 from gateway.testing import config_from_yaml, running_gateway
-from tests.processes import RedisCluster, RedisServer
+from tests.processes import RedisCluster, RedisServer, free_port
+from tests.upstream import running_upstream
 
 ADMIN_TOKEN = "admin-token-0123456789abcdef"
 API_KEY = "client-key-7d41"
@@ -83,8 +85,9 @@ async def test_inspect_and_reset_a_bucket_on_the_in_process_store(upstream, clie
     assert API_KEY not in json.dumps(before)
 
 
-async def test_inspect_and_reset_a_bucket_on_one_redis(upstream, client, redis_server):
-    store = f"store: {{url: '{redis_server.url}', timeout: 500ms, prefix: 'adm:'}}"
+async def test_inspect_and_reset_a_bucket_on_one_redis(upstream, client, dedicated_redis):
+    redis_server = dedicated_redis  # at the default store.timeout, as users run it
+    store = f"store: {{url: '{redis_server.url}', prefix: 'adm:'}}"
     async with running_gateway(limits_config(upstream, store)) as gw:
         before, _, after = await inspect_and_reset(client, gw)
     redis = redis_server.client()
@@ -93,8 +96,9 @@ async def test_inspect_and_reset_a_bucket_on_one_redis(upstream, client, redis_s
     assert redis.hget(before["key"], "tokens") is not None  # recharged after the reset: the same key
 
 
-async def test_a_reset_in_redis_deletes_the_key_and_clears_the_denial_cache(upstream, client, redis_server):
-    store = f"store: {{url: '{redis_server.url}', timeout: 500ms, prefix: 'adm:'}}"
+async def test_a_reset_in_redis_deletes_the_key_and_clears_the_denial_cache(upstream, client, dedicated_redis):
+    redis_server = dedicated_redis  # at the default store.timeout, as users run it
+    store = f"store: {{url: '{redis_server.url}', prefix: 'adm:'}}"
     async with running_gateway(limits_config(upstream, store)) as gw:
         assert await statuses(client, gw.url, API_KEY, 3) == [200, 200, 429]
         assert len(gw.gateway.limiter.denials) == 1  # the third was answered here, not by Redis
@@ -109,31 +113,62 @@ async def test_a_reset_in_redis_deletes_the_key_and_clears_the_denial_cache(upst
         assert await statuses(client, gw.url, API_KEY, 3) == [200, 200, 429]
 
 
+async def test_denied_here_for_follows_a_reload_of_the_limit(upstream, client, dedicated_redis, tmp_path):
+    """Reproduction: the admin API counted every cached denial by limit name, so after a
+    reload raised per_key's burst from 2 to 3 it still said the denial was held here for
+    ~3600 s, while the next request asked Redis (the cache drops a changed limit's denials).
+    A reload that leaves the limit as it was keeps the hold, and says so."""
+    store = f"store: {{url: '{dedicated_redis.url}', prefix: 'adm:'}}"
+    path = tmp_path / "gateway.yaml"
+    path.write_text(limits_config(upstream, store))
+    redis = dedicated_redis.client()
+
+    def script_calls() -> int:
+        return redis.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+
+    async with running_gateway(load_config(str(path))) as gw:
+        bucket = f"{gw.admin_url}/buckets/per_key?value={API_KEY}"
+        assert await statuses(client, gw.url, API_KEY, 3) == [200, 200, 429]
+        path.write_text(limits_config(upstream, store).replace("/users", "/people"))  # per_key unchanged
+        assert gw.gateway.reload()
+        assert 3500 < (await call(client, "GET", bucket, expect=200))["denied_here_for_seconds"] <= 3600
+        path.write_text(limits_config(upstream, store).replace("burst: 2,", "burst: 3,"))
+        assert gw.gateway.reload()
+        assert (await call(client, "GET", bucket, expect=200))["denied_here_for_seconds"] == 0
+        calls = script_calls()
+        assert await statuses(client, gw.url, API_KEY, 1) == [429]
+        assert script_calls() == calls + 1  # as it said: Redis was asked, not this process's cache
+
+
 async def test_inspect_and_reset_a_bucket_on_a_redis_cluster(upstream, client):
-    with RedisCluster() as cluster:
-        store = f"store: {{url: '{cluster.url}', timeout: 500ms, prefix: 'adm:'}}"
+    with RedisCluster(dedicated=True) as cluster:  # at the default store.timeout, as users run it
+        store = f"store: {{url: '{cluster.url}', prefix: 'adm:'}}"
         async with running_gateway(limits_config(upstream, store)) as gw:
             before, _, _ = await inspect_and_reset(client, gw)
             # Other identities land on other masters: each is read and reset where its slot lives.
-            keys = []
-            for n in range(12):
+            # Where an identity lands depends on the run's key secret, so identities are added until
+            # every master owns one (12 would miss a master in about 2% of runs; 200 almost never do).
+            masters = cluster.masters()
+            redis = cluster.client()
+
+            def owner(key):
+                slot = redis.keyslot(key)
+                return next(port for port, ranges in masters.items() if any(a <= slot <= b for a, b in ranges))
+
+            keys, owners = [], set()
+            for n in range(200):
                 assert await statuses(client, gw.url, f"spread-{n}", 1) == [200]
                 answer = await call(client, "GET", f"{gw.admin_url}/buckets/per_key?value=spread-{n}", expect=200)
                 assert answer["held"] is True and 0.99 < answer["tokens"] < 1.01
                 keys.append(answer["key"])
+                owners.add(owner(answer["key"]))
+                if len(owners) == 3 and n >= 11:
+                    break
+            assert len(owners) == 3
             await call(client, "DELETE", f"{gw.admin_url}/buckets/per_key?value=spread-0", expect=200)
             assert (await call(client, "GET", f"{gw.admin_url}/buckets/per_key?value=spread-0", expect=200))["held"] is False
-        masters = cluster.masters()
-        redis = cluster.client()
         assert redis.exists(before["key"]) == 1 and redis.exists(keys[0]) == 0
         assert all(redis.exists(key) == 1 for key in keys[1:])
-        owners = {
-            port
-            for key in keys
-            for port, ranges in masters.items()
-            if any(first <= redis.keyslot(key) <= last for first, last in ranges)
-        }
-        assert len(owners) == 3
 
 
 async def test_a_bucket_is_named_by_a_source_of_its_limit(upstream, client):
@@ -196,7 +231,7 @@ SECRETS = {"ADMIN_TOKEN": ADMIN_TOKEN, "JWT_SECRET": "jwt-secret-5c9e0a7b1d3f5e7
 def secret_config(upstream: str, store_url: str) -> str:
     return f"""
 admin_token_env: ADMIN_TOKEN
-store: {{url: "{store_url}", key_secret: "key-secret-88e1f2", timeout: 100ms}}
+store: {{url: "{store_url}", key_secret: "key-secret-88e1f2"}}
 jwt: {{secret_env: JWT_SECRET}}
 limits:
   per_sub: {{rate: 10/second, key: [jwt:sub, ip]}}
@@ -204,6 +239,8 @@ routes:
   - match: {{path: /api}}
     upstream: {upstream}
     limits: [per_sub]
+  - match: {{path: /basic}}
+    upstream: {upstream.replace("http://", "http://svc:upstream-pass-9a04@")}
 """
 
 
@@ -213,21 +250,26 @@ async def test_the_effective_config_has_every_secret_redacted(upstream, client):
     async with running_gateway(config) as gw:
         shown = await call(client, "GET", gw.admin_url + "/config", expect=200, token=ADMIN_TOKEN)
     text = json.dumps(shown)
-    for secret in ("store-pass-61d0", "key-secret-88e1f2", SECRETS["JWT_SECRET"], ADMIN_TOKEN):
+    for secret in ("store-pass-61d0", "key-secret-88e1f2", SECRETS["JWT_SECRET"], ADMIN_TOKEN, "upstream-pass-9a04"):
         assert secret not in text
     assert shown["store"]["url"] == f"redis://gw:***@127.0.0.1:{redis_server.port}/0"
     assert shown["store"]["key_secret"] == "***" and shown["admin_token"] == "***"
     assert shown["jwt"]["keys"] == [{"algorithm": "HS256", "key": "***", "kid": None}]
     assert shown["limits"][0] == {
         "name": "per_sub", "rate": "10/second", "burst": 10, "key": ["jwt:sub", "ip"], "on_store_error": "open",
-        "shadow": False,
+        "shadow": False, "response": {"status": 429, "headers": "ietf", "body": None, "content_type": "text/plain; charset=utf-8"},
+        "lease": 0, "lease_lapse": 1.0,
+        "max_delay": 0.0, "quota": None,
+        "tiers": None, "allow": None,
     }
     assert shown["routes"][0]["match"]["path"] == "/api"
+    assert shown["routes"][1]["upstream"] == upstream.replace("http://", "http://svc:***@")
 
 
 @pytest.mark.parametrize(
     "method, path",
-    [("GET", "/buckets/per_key?value=x"), ("DELETE", "/buckets/per_key?value=x"), ("GET", "/top-limited"), ("GET", "/config")],
+    [("GET", "/buckets/per_key?value=x"), ("DELETE", "/buckets/per_key?value=x"), ("GET", "/top-limited"), ("GET", "/config"),
+     ("GET", "/stats")],
 )
 async def test_the_admin_api_needs_the_token_when_one_is_configured(upstream, client, method, path):
     text = limits_config(upstream) + "admin_token_env: ADMIN_TOKEN\n"
@@ -240,7 +282,8 @@ async def test_the_admin_api_needs_the_token_when_one_is_configured(upstream, cl
 
 @pytest.mark.parametrize(
     "method, path",
-    [("GET", "/buckets/per_key?value=x"), ("DELETE", "/buckets/per_key?value=x"), ("GET", "/top-limited"), ("GET", "/config")],
+    [("GET", "/buckets/per_key?value=x"), ("DELETE", "/buckets/per_key?value=x"), ("GET", "/top-limited"), ("GET", "/config"),
+     ("GET", "/stats"), ("GET", "/")],
 )
 async def test_the_admin_api_is_404_on_the_public_listener(upstream, client, method, path):
     async with running_gateway(limits_config(upstream)) as gw:
@@ -253,7 +296,7 @@ async def test_the_admin_api_is_404_on_the_public_listener(upstream, client, met
 
 async def test_inspect_and_reset_answer_503_while_the_store_is_down(upstream, client):
     redis_server = RedisServer()  # its port is chosen now; nothing listens there
-    store = f"store: {{url: '{redis_server.url}', timeout: 100ms}}"
+    store = f"store: {{url: '{redis_server.url}'}}"
     async with running_gateway(limits_config(upstream, store)) as gw:
         for method in ("GET", "DELETE"):
             down = await call(client, method, f"{gw.admin_url}/buckets/per_key?value={API_KEY}", expect=503)
@@ -263,7 +306,7 @@ async def test_inspect_and_reset_answer_503_while_the_store_is_down(upstream, cl
 async def test_a_reset_while_the_store_is_down_frees_the_client_from_the_local_stand_in(upstream, client):
     redis_server = RedisServer()  # nothing listens: every check falls back to the local bucket
     config = f"""
-store: {{url: '{redis_server.url}', timeout: 100ms, local_divisor: 1}}
+store: {{url: '{redis_server.url}', local_divisor: 1}}
 limits:
   per_key: {{rate: 1/hour, burst: 2, key: header:X-Api-Key, on_store_error: local}}
 routes:
@@ -277,3 +320,74 @@ routes:
         assert await statuses(client, gw.url, API_KEY, 3) == [200, 200, 429]
         top = await call(client, "GET", gw.admin_url + "/top-limited", expect=200)
     assert [(c["limit"], c["denials"]) for c in top["clients"]] == [("per_key", 2)]  # local denials count too
+
+
+@pytest.mark.parametrize(("key", "source"), [("ip", ""), ("ip/24", ""), ("[header:X-User, ip]", "source=ip&")])
+async def test_an_address_names_the_bucket_its_requests_spent_and_reset_frees_it(upstream, client, redis_server, key, source):
+    # The default ip key holds a whole address as itself (not as its /32): inspecting and
+    # resetting it by ?value=ADDRESS must reach that bucket, on Redis as in-process.
+    text = f"""
+store: {{url: '{redis_server.url}'}}
+limits:
+  per_ip: {{rate: 1/hour, burst: 2, key: {key}}}
+routes:
+  - match: {{path: /}}
+    upstream: {upstream}
+    limits: [per_ip]
+"""
+    async with running_gateway(config_from_yaml(text)) as gw:
+        for expected in (200, 200, 429):
+            async with client.get(gw.url + "/echo") as response:
+                assert response.status == expected
+        bucket = f"{gw.admin_url}/buckets/per_ip?{source}value=127.0.0.1"
+        spent = await call(client, "GET", bucket, expect=200)
+        assert spent["held"] is True and spent["tokens"] == pytest.approx(0, abs=0.01)
+        assert redis_server.client().exists(spent["key"]) == 1
+        assert (await call(client, "DELETE", bucket, expect=200))["held"] is True
+        async with client.get(gw.url + "/echo") as response:
+            assert response.status == 200
+        if key == "ip/24":  # every client has an address: no bucket is ever keyed by the whole one
+            refused = await call(client, "GET", f"{gw.admin_url}/buckets/per_ip?source=ip&value=127.0.0.1", expect=400)
+            assert refused["sources"] == ["ip/24"]
+
+
+async def test_stats_has_each_pool_targets_routes_health_and_exact_counters(upstream, client):
+    """/a's pool tries `dead` (nothing listens) first: refused, ejected and retried on `live`;
+    every later request goes to `live`. /c's only target is `dead`, out of rotation, so each of
+    its requests is a 503 for want of a target. `checked` is the one target health-checked."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    passive = "passive: {eject_after: 1, eject_for: 1h}"
+    async with running_upstream() as checked:
+        config = f"""
+routes:
+  - match: {{path: /a}}
+    upstream: {{targets: [{{url: "{dead}", name: dead}}, {{url: "{upstream}", name: live}}], {passive}, retries: 1}}
+  - match: {{path: /b}}
+    upstream: {{targets: [{{url: "{checked}", name: checked}}], health: {{path: /status/200, interval: 1h}}}}
+  - match: {{path: /c}}
+    upstream: {{targets: [{{url: "{dead}", name: dead}}], {passive}}}
+  - match: {{path: /plain}}
+    upstream: {upstream}
+"""
+        async with running_gateway(config) as gw:
+            for path, count, status in (("/a", 5, 200), ("/b", 3, 200), ("/c", 2, 503), ("/plain", 1, 200)):
+                for _ in range(count):
+                    async with client.get(gw.url + path) as response:
+                        assert response.status == status, path
+            stats = await call(client, "GET", gw.admin_url + "/stats", expect=200)
+    assert stats["workers"] == 1
+    assert stats["targets"] == [
+        {"target": "dead", "url": dead, "routes": ["/a", "/c"], "checked": False, "healthy": None,
+         "requests": 1, "errors": {"connect": 1}, "ejections": 1},
+        {"target": "live", "url": upstream, "routes": ["/a"], "checked": False, "healthy": None,
+         "requests": 5, "errors": {}, "ejections": 0},
+        {"target": "checked", "url": checked, "routes": ["/b"], "checked": True, "healthy": 1,
+         "requests": 3, "errors": {}, "ejections": 0},
+    ]
+    assert stats["unavailable"] == [{"route": "/c", "reason": "no_target", "total": 2}]
+
+
+async def test_stats_has_no_targets_without_a_pool(upstream, client):
+    async with running_gateway(limits_config(upstream)) as gw:
+        stats = await call(client, "GET", gw.admin_url + "/stats", expect=200)
+    assert stats["targets"] == [] and stats["unavailable"] == []

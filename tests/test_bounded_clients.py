@@ -10,7 +10,8 @@ clients are raw sockets; the gateway and the upstream are real.
   (300 such unfinished heads took RSS from 232 MB to 649 MB: see test_header_memory.py.)
 - 1,000 chunked POSTs at one byte every 5 s took all 1,000 upstream connections
   and every other route on that upstream stopped answering: client_body_timeout
-  and a bounded wait for an upstream connection (503).
+  and a bounded wait for an upstream connection (503, counted as
+  gateway_upstream_unavailable_total{reason="queue_full"}).
 - max_body_size per route, 413 before the upstream is contacted.
 - A per-connection request cap (keepalive_requests).
 """
@@ -389,6 +390,15 @@ routes:
                 assert response.content_type == "application/problem+json"
                 assert "0.2 s" in (await response.json())["detail"]
             assert 0.15 <= elapsed < 0.2 + SLACK
+            more = await asyncio.gather(*(client.get(gw.url + "/echo") for _ in range(3)))
+            assert [response.status for response in more] == [503] * 3
+            for response in more:
+                response.release()
+            # Each of the four counted once, and nothing else as unavailable.
+            samples = (await scrape(client, gw.admin_url))[1]
+            unavailable = {(s.labels["route"], s.labels["reason"]): s.value
+                           for s in samples if s.name == "gateway_upstream_unavailable_total"}
+            assert unavailable == {("/", "queue_full"): 4}
         finally:
             async with client.post(upstream + "/held/release") as response:
                 assert response.status == 200

@@ -320,3 +320,69 @@ def test_identity_digest_is_fixed_length_keyed_and_hides_the_identity():
 
 def test_bucket_key_puts_the_digest_in_a_cluster_hash_tag():
     assert bucket_key("rl:", "per-ip", "ab12") == "rl:per-ip:{ab12}"
+
+
+# --- shaping (mode: delay): a bucket may owe max_delay × rate tokens ---------------------------
+
+
+def test_a_shaping_bucket_queues_requests_fairly_and_rejects_past_its_debt():
+    """Rate 10/s, burst 1, max_delay 0.5 s (debt 5 tokens), 8 requests at the same instant:
+    one goes at once, the next five wait 0.1, 0.2, ... 0.5 s, and the rest are rejected,
+    charging nothing, told to come back when the debt would cover them."""
+    shaping = BucketSpec(capacity=1, rate=10, cost=1, debt=0.5 * 10)
+    held: BucketState | None = None
+    waits, rejected = [], []
+    for _ in range(8):
+        outcome = check([held], [shaping], 0.0)
+        if outcome.allowed:
+            waits.append(outcome.wait)
+            held = outcome.states[0]
+        else:
+            rejected.append(outcome)
+    assert waits == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4, 0.5])
+    assert held == BucketState(tokens=-5.0, stamp=0.0)
+    assert [o.remaining for o in rejected] == [(-5.0,), (-5.0,)]
+    assert [o.retry_after for o in rejected] == pytest.approx([0.1, 0.1])
+    assert all(o.states == (held,) and o.wait == 0 for o in rejected)
+    # As the debt is repaid, the queue moves: 0.1 s later one more fits, waiting the full 0.5 s.
+    later = check([held], [shaping], 0.1)
+    assert later.allowed and later.wait == pytest.approx(0.5) and later.remaining == pytest.approx((-5.0,))
+
+
+def test_released_requests_are_exactly_those_a_plain_bucket_admits():
+    """Each shaped request's release time (its check time plus its wait) is a time at which
+    a plain bucket of the same capacity and rate, charged at the earlier releases, admits it."""
+    rng = random.Random(7)
+    shaping = BucketSpec(capacity=3, rate=4, cost=1, debt=2.0 * 4)
+    plain = BucketSpec(capacity=3, rate=4, cost=1)
+    held: BucketState | None = None
+    releases = []
+    now = 0.0
+    for _ in range(2000):
+        now += rng.expovariate(12)  # three times the rate: most requests wait or are rejected
+        outcome = check([held], [shaping], now)
+        if outcome.allowed:
+            held = outcome.states[0]
+            assert outcome.wait <= 2.0 + 1e-9
+            releases.append(now + outcome.wait)
+    assert releases == sorted(releases)  # first come, first released
+    replayed: BucketState | None = None
+    for release in releases:
+        found = refill(replayed, plain, release)
+        assert found.tokens >= plain.cost - 1e-9, (release, found)  # to within rounding
+        replayed = BucketState(tokens=found.tokens - plain.cost, stamp=found.stamp)
+    assert len(releases) > 4 * (now - 2.0)  # shaping kept the bucket busy: nearly its rate went through
+
+
+def test_several_limits_stay_all_or_nothing_when_one_shapes_and_the_wait_is_the_longest():
+    shaping = BucketSpec(capacity=1, rate=10, cost=1, debt=5)
+    other_shaping = BucketSpec(capacity=1, rate=1, cost=1, debt=1)
+    strict = BucketSpec(capacity=2, rate=1, cost=1)
+    empty = BucketState(tokens=0.0, stamp=0.0)
+    both = check([empty, empty], [shaping, other_shaping], 0.0)
+    assert both.allowed and both.wait == pytest.approx(1.0)  # the longer of 0.1 s and 1 s
+    assert both.remaining == (-1.0, -1.0)
+    # The strict limit cannot pay: the shaping bucket is not charged into debt either.
+    denied = check([empty, empty], [shaping, strict], 0.0)
+    assert not denied.allowed and denied.wait == 0 and denied.states == (empty, empty)
+    assert denied.retry_after == pytest.approx(1.0)

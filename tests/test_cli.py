@@ -95,6 +95,48 @@ def test_check_prints_the_routes_and_limits_it_understood(tmp_path):
     ]
 
 
+def test_check_prints_a_lease_and_a_response_style_that_are_not_the_defaults(tmp_path):
+    text = ISSUE_EXAMPLE.replace(
+        "on_store_error: closed}",
+        "on_store_error: closed, lease: 4, response: {status: 503, headers: x-ratelimit, body: 'wait {retry_after}'}}",
+    )
+    result = run_cli("check", "-c", write(tmp_path, text))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert (
+        "  reports: rate 1/second (1/s), burst 5, key [header:x-api-key], on_store_error closed, lease 4 (lapse 1s),"
+        " response 503 headers x-ratelimit, body text/plain; charset=utf-8"
+    ) in lines
+
+
+def test_check_prints_each_limits_tiers_allowlist_and_the_concurrency_limits(tmp_path):
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("gold: [k-1]\n")
+    text = f"""
+store: {{url: "redis://127.0.0.1:6379/0"}}
+limits:
+  api:
+    rate: 2/second
+    key: [header:X-API-Key]
+    tiers: {{from: {{file: {keys}}}, gold: {{rate: 20/second, burst: 40}}}}
+    allow: [10.0.0.0/8, header:X-API-Key=ops]
+  conns: {{concurrency: 2, key: header:X-API-Key}}
+routes:
+  - match: {{path: /}}
+    upstream: http://127.0.0.1:9000
+    limits: [api, conns]
+"""
+    result = run_cli("check", "-c", write(tmp_path, text))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    api = lines.index("  api: rate 2/second (2/s), burst 2, key [header:x-api-key], on_store_error open")
+    assert lines[api + 1 : api + 3] == [
+        "    tier api/gold: rate 20/second (20/s), burst 40",
+        "    allow: 1 network(s), 1 identit(ies), never limited",
+    ]
+    assert "  conns: concurrency 2 in flight, lease_ttl 60s, key [header:x-api-key], on_store_error open" in lines
+
+
 def test_check_shows_route_options_host_and_the_in_process_store(tmp_path):
     path = write(
         tmp_path,
@@ -114,6 +156,37 @@ def test_check_shows_route_options_host_and_the_in_process_store(tmp_path):
     assert lines[-1] == (
         "  [0] api.example.com/v1 GET,HEAD -> https://backend:8443: no limits; strip_prefix, timeout connect 0.25s read 120s"
     )
+
+
+def test_check_warns_of_routes_an_earlier_route_shadows_and_still_exits_0(tmp_path):
+    path = write(
+        tmp_path,
+        "routes:\n"
+        "  - match: {path: /api, headers: {X-Version: '2'}}\n    upstream: http://h:1\n"
+        "  - match: {path: /api/v2, headers: {X-Version: '2'}, methods: [GET]}\n    upstream: http://h:1\n"
+        "  - match: {regex: '/api/v[0-9]+'}\n    upstream: http://h:1\n"
+        "  - match: {exact: /api/v1}\n    upstream: http://h:1\n"
+        "  - match: {path: /api, host: '*.example.com'}\n    upstream: http://h:1\n"
+        "  - match: {path: /api/x, host: a.example.com}\n    upstream: http://h:1\n"
+        "    request_headers: {set: {X-Env: prod}, remove: [X-Debug]}\n"
+        "    response_headers: {add: {Cache-Control: no-store}}\n",
+    )
+    result = run_cli("check", "-c", path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    warnings = [line for line in lines if line.startswith("warning:")]
+    assert warnings == [
+        "warning: routes[1] (/api/v2 GET header:x-version=2) is never reached: routes[0] (/api header:x-version=2) "
+        "comes first and matches every request it could",
+        "warning: routes[3] (=/api/v1) is never reached: routes[2] (~/api/v[0-9]+) "
+        "comes first and matches every request it could",
+        "warning: routes[5] (a.example.com/api/x) is never reached: routes[4] (*.example.com/api) "
+        "comes first and matches every request it could",
+    ]
+    assert (
+        "  [5] a.example.com/api/x -> http://h:1: no limits; request headers: set X-Env remove x-debug, "
+        "response headers: add Cache-Control, timeout connect 5s read 60s"
+    ) in lines
 
 
 def test_check_shows_the_forwarded_headers_setting_and_the_jwt_keys_never_the_secret(tmp_path):
@@ -177,7 +250,7 @@ CLI_ERRORS = {
         "store.url: URL option 'ssl' is not supported",
     ),
     "workers with the in-process store": (
-        "run", "workers: 4\nroutes: [{match: {path: /}, upstream: 'http://h:1'}]\n", "workers: workers: 4 needs a shared store"),
+        "run", "workers: 4\nroutes: [{match: {path: /}, upstream: 'http://h:1'}]\n", "gw.yaml: workers: 4 needs a shared `store:`; with the in-process store each worker"),
     "missing environment variable": (
         "check", "store: {url: '${GATEWAY_TEST_UNSET_VAR}'}\nroutes: [{match: {path: /}, upstream: 'http://h:1'}]\n",
         "store.url: environment variable GATEWAY_TEST_UNSET_VAR is not set",
@@ -210,6 +283,38 @@ def test_missing_config_file_exits_2_with_one_line(tmp_path, command):
 )
 def test_usage_errors_are_one_line_too(args, expected):
     assert_one_line_error(run_cli(*args), expected)
+
+
+# Presses Ctrl-C (a real SIGINT to itself) the moment the gateway first imports MODULE,
+# then runs the console script's `main`, as the `gateway` command does.
+CTRL_C_ON_IMPORT = """
+import os, signal, sys
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if started in the background
+
+MODULE = sys.argv.pop(1)
+
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == MODULE:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+from gateway.cli import main
+raise SystemExit(main())
+"""
+
+
+@pytest.mark.parametrize("module", ["yaml", "aiohttp"], ids=["reading the config", "importing the server"])
+def test_ctrl_c_during_startup_ends_quietly_with_130(tmp_path, module):
+    path = write(tmp_path, gateway_yaml("http://127.0.0.1:9"))
+    result = subprocess.run(
+        [sys.executable, "-c", CTRL_C_ON_IMPORT, module, "run", "-c", path],
+        capture_output=True, text=True, timeout=DEADLINE,
+    )
+    assert (result.returncode, result.stderr, result.stdout) == (130, "", "")
 
 
 def test_port_in_use_exits_2_with_one_line(tmp_path):
@@ -476,6 +581,67 @@ async def test_two_workers_share_the_port_share_metrics_and_stop_on_sigterm(upst
     assert not any("Traceback" in line for line in gw.stderr_lines)
 
 
+async def test_every_worker_shows_a_client_by_the_same_hash_in_buckets_and_top_limited(upstream, redis_server):
+    # Each answer comes from whichever worker the connection reaches: a hash keyed per
+    # worker would show one client under as many names as there are workers.
+    text = gateway_yaml(
+        upstream,
+        f"workers: 2\nstore: {{url: '{redis_server.url}'}}\n"
+        "limits:\n  per_client: {rate: 1/hour, burst: 1, key: [ip]}\n",
+        listen=f"127.0.0.1:{free_port()}", admin=f"127.0.0.1:{free_port()}",
+    ) + "    limits: [per_client]\n"
+    with GatewayProcess(text) as gw:
+        await eventually(lambda: sum("listening on" in line for line in gw.stderr_lines) == 2, what="two workers to start")
+        shown = set()
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as client:
+            for _ in range(12):  # denied on both workers
+                async with client.get(gw.url + "/echo") as response:
+                    await response.read()
+            for _ in range(12):
+                async with client.get(gw.admin_url + "/buckets/per_client?value=127.0.0.1") as response:
+                    shown.add((await response.json())["identity"])
+                async with client.get(gw.admin_url + "/top-limited") as response:
+                    shown.update(entry["identity"] for entry in (await response.json())["clients"])
+        assert len(shown) == 1, shown
+        assert gw.stop() == 0
+
+
+def test_workers_whose_supervisor_was_killed_stop_and_free_the_ports(redis_server, tmp_path):
+    # SIGKILL (or the OOM killer) passes nothing on: the workers notice their parent is
+    # gone and stop, rather than serving on, orphaned, on ports the next run needs. The
+    # supervisor cannot remove its metrics directory then: TMPDIR puts it in tmp_path.
+    port, admin_port = free_port(), free_port()
+    text = gateway_yaml(
+        "http://127.0.0.1:9", f"workers: 2\nstore: {{url: '{redis_server.url}'}}\n",
+        listen=f"127.0.0.1:{port}", admin=f"127.0.0.1:{admin_port}",
+    )
+    with GatewayProcess(text, env={"TMPDIR": str(tmp_path)}) as gw:
+
+        def startup_pids() -> list[int]:
+            return [int(m.group(1)) for line in gw.stderr_lines if (m := re.search(r"\(pid (\d+)\) listening on", line))]
+
+        wait_until(lambda: len(startup_pids()) == 2, what="two workers to start")
+        workers = startup_pids()
+        gw.signal(signal.SIGKILL)
+        gw.wait(DEADLINE)
+        wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), what="the orphaned workers to exit")
+        wait_until(lambda: not listening_socket_inodes(port) and not listening_socket_inodes(admin_port),
+                   what="the ports to be free")
+    assert sum("the supervisor" in line and "is gone: stopping" in line for line in gw.stderr_lines) == 2
+    # The killed supervisor's metrics directory is left; the next supervisor removes it, and
+    # its own on a clean stop. Another live supervisor's is not touched.
+    left = [path.name for path in tmp_path.glob("gateway-metrics-*")]
+    assert left == [f"gateway-metrics-{gw.process.pid}-" + left[0].rsplit("-", 1)[1]]
+    other = tmp_path / f"gateway-metrics-{os.getpid()}-live"
+    other.mkdir()
+    with GatewayProcess(text, env={"TMPDIR": str(tmp_path)}) as again:
+        wait_until(lambda: sum("listening on" in line for line in again.stderr_lines) == 2, what="two workers to start")
+        mine = [path.name for path in tmp_path.glob("gateway-metrics-*") if path != other]
+        assert len(mine) == 1 and mine[0].startswith(f"gateway-metrics-{again.process.pid}-")
+        assert again.stop() == 0
+    assert [path.name for path in tmp_path.glob("gateway-metrics-*")] == [other.name]
+
+
 # --- the quick start -----------------------------------------------------------------
 
 
@@ -504,6 +670,22 @@ async def test_demo_serves_the_demo_upstream_until_429_with_ratelimit_headers(tm
         assert results[0][1]["RateLimit"].startswith('"per_client";r=2;')
         assert results[3][1]["RateLimit"].startswith('"per_client";r=0;')
         assert int(results[3][1]["Retry-After"]) >= 1
+        assert await asyncio.to_thread(gw.stop) == 0
+
+
+async def test_demo_with_its_upstream_moved_proxies_to_it_with_the_shipped_config():
+    """`gateway demo --upstream HOST:PORT` on config/demo.yaml: the gateway follows the
+    demo upstream to its new port (it proxied to 127.0.0.1:9000 regardless, so every
+    request was a 502), and the listeners move with GATEWAY_LISTEN / GATEWAY_ADMIN_LISTEN."""
+    config = (Path(__file__).resolve().parent.parent / "config" / "demo.yaml").read_text()
+    ports = {"GATEWAY_LISTEN": "127.0.0.1:0", "GATEWAY_ADMIN_LISTEN": "127.0.0.1:0"}
+    upstream = f"127.0.0.1:{free_port()}"
+    with GatewayProcess(config, command="demo", args=("--upstream", upstream), env=ports) as gw:
+        async with aiohttp.ClientSession() as client:
+            async with client.get(gw.url + "/hello") as response:
+                assert response.status == 200, await response.text()
+                assert await response.json() == {"hello": "world", "path": "/hello"}
+                assert response.headers["RateLimit-Policy"] == '"per_client";q=5;w=30'
         assert await asyncio.to_thread(gw.stop) == 0
 
 

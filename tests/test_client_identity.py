@@ -211,6 +211,56 @@ async def test_a_request_naming_its_identity_header_in_connection_is_rejected_no
         assert (await raw_request(gw.url, request_bytes("/by-key", [])))[0] == 200
 
 
+@pytest.mark.parametrize("alias", ["X_Api_Key", "x_api-KEY"])
+async def test_a_header_that_cgi_reads_as_the_identity_header_is_rejected(upstream, alias):
+    """Reproduction: `X_Api_Key: KEY` beside a throwaway `X-Api-Key` was charged under the
+    throwaway key and forwarded as sent; a CGI or WSGI upstream (gunicorn before 22,
+    werkzeug) reads both names as HTTP_X_API_KEY, so it could take KEY, never charged.
+    Without `X-Api-Key` the gateway charged the address while such an upstream saw KEY."""
+    async with running_gateway(identity_config(upstream)) as gw:
+        for i in range(2):
+            request = request_bytes("/by-key", [("X-Api-Key", f"throwaway-{i}"), (alias, "real-key")])
+            status, _, body = await raw_request(gw.url, request)
+            assert status == 400, body
+            assert b"real-key" not in body
+        assert (await raw_request(gw.url, request_bytes("/by-key", [(alias, "real-key")])))[0] == 400
+        # Underscores elsewhere are nobody's identity, and the client's buckets are untouched.
+        assert (await raw_request(gw.url, request_bytes("/by-key", [("X_Trace", "1")])))[0] == 200
+        assert (await raw_request(gw.url, request_bytes("/by-ip", [(alias, "real-key")])))[0] == 200
+
+
+@pytest.mark.parametrize(
+    "cookie", ["sid=%61bc", "sid=ab%63", "sid=a%2Dbc", "sid=s%3abc", "%73id=abc", "%73id=abc; sid=throwaway"]
+)
+async def test_a_cookie_escaped_where_no_encoder_escapes_is_rejected(upstream, cookie):
+    """Reproduction: `sid=%61bc`, `sid=a%62c`, ... were each a bucket of their own, while
+    PHP, Rack and Express decode cookie values and served them all as the session `abc`:
+    2^length buckets for one session. `%73id=abc` was no `sid` at all here (the address
+    was charged) and `sid` to PHP and Rack, which decode names too."""
+    async with running_gateway(identity_config(upstream)) as gw:
+        assert (await raw_request(gw.url, request_bytes("/by-key", [("Cookie", "sid=abc")])))[0] == 200
+        status, _, body = await raw_request(gw.url, request_bytes("/by-key", [("Cookie", cookie)]))
+        assert status == 400, body
+        assert b"abc" not in body
+        # Escapes that encoders write are values as they are: Express's `s%3A...` sessions.
+        assert (await raw_request(gw.url, request_bytes("/by-key", [("Cookie", "sid=s%3Aabc%2B%2F")])))[0] == 200
+        assert (await raw_request(gw.url, request_bytes("/by-key", [("Cookie", "sid=s%3Aabc%2B%2F")])))[0] == 429
+
+
+@pytest.mark.parametrize("target", ["/by-key?key=t1&x=1;key=real", "/by-key?x;key=real&key=t2", "/by-key?x=1;%6Bey=real"])
+async def test_a_query_key_hidden_behind_a_semicolon_is_rejected(upstream, target):
+    """Reproduction: `?key=t1&x=1;key=real` was charged under the throwaway `t1`, while Rack 2
+    and Python's parse_qs before 3.9.2, which split a query on ';' too, read `key` twice and
+    take the last: `real`, never charged. `?x=1;key=real` was no key here at all."""
+    async with running_gateway(identity_config(upstream)) as gw:
+        status, _, body = await raw_request(gw.url, request_bytes(target, []))
+        assert status == 400, body
+        assert b"real" not in body
+        # A ';' elsewhere in a query is left alone, and nothing above was charged.
+        assert (await raw_request(gw.url, request_bytes("/by-key?key=real&x=1;y=2", [])))[0] == 200
+        assert (await raw_request(gw.url, request_bytes("/by-key?key=real", [])))[0] == 429
+
+
 @pytest.mark.parametrize("connection", ["Cookie", "keep-alive, COOKIE"])
 async def test_a_request_naming_its_identity_cookie_header_in_connection_is_rejected(upstream, connection):
     async with running_gateway(identity_config(upstream)) as gw:

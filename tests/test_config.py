@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from gateway.config import ConfigError, GatewayConfig, load_config, parse_config
-from gateway.config.model import FailurePolicy, IdentitySource
+from gateway.config.model import FailurePolicy, IdentitySource, PathForm, ValueMatch
+from gateway.config.regex import Regex
 from gateway.limiter.redis_cluster import parse_cluster_url
 from gateway.limiter.redis_sentinel import parse_sentinel_url
 from tests.examples import ISSUE_EXAMPLE
@@ -140,8 +141,8 @@ def test_fractional_rate_needs_an_explicit_burst():
 
 
 def test_every_identity_source_kind_is_read():
-    config = parse("limits:\n  a: {rate: 1/second, key: [ip, header:X-Key, query:api_key, cookie:session]}\n" + ROUTE)
-    assert [str(k) for k in config.limits[0].key] == ["ip", "header:x-key", "query:api_key", "cookie:session"]
+    config = parse("limits:\n  a: {rate: 1/second, key: [header:X-Key, query:api_key, cookie:session, ip]}\n" + ROUTE)
+    assert [str(k) for k in config.limits[0].key] == ["header:x-key", "query:api_key", "cookie:session", "ip"]
 
 
 def test_a_single_key_may_be_written_as_a_string():
@@ -169,6 +170,36 @@ def test_match_host_methods_strip_prefix_and_timeouts():
     assert route.strip_prefix and route.preserve_host
     assert (route.timeout.connect, route.timeout.read) == (0.25, 120)
     assert route.limits[0].cost == 1
+
+
+def test_match_forms_and_conditions_are_read():
+    config = parse(
+        """
+routes:
+  - match: {exact: /api/health/, host: '*.Example.com.'}
+    upstream: http://h:1
+  - match:
+      regex: '/api/v[0-9]+/.*'
+      case_sensitive: false
+      headers: {X-Version: "2", X-Beta: {present: true}, X-Legacy: {present: false}, X-Tier: {regex: 'gold|silver'}}
+      query: {debug: {exact: "1"}}
+    upstream: http://h:1
+"""
+    )
+    exact, regex = (route.match for route in config.routes)
+    assert (exact.form, exact.path, exact.host) == (PathForm.EXACT, "/api/health/", "*.example.com")  # exact keeps its slash
+    assert (regex.form, regex.path, regex.regex) == (PathForm.REGEX, "/api/v[0-9]+/.*", Regex.compile("/api/v[0-9]+/.*", case_sensitive=False))
+    assert regex.headers == (
+        ValueMatch(name="x-version", exact="2"),
+        ValueMatch(name="x-beta"),
+        ValueMatch(name="x-legacy", present=False),
+        ValueMatch(name="x-tier", regex=Regex.compile("gold|silver")),
+    )
+    assert regex.query == (ValueMatch(name="debug", exact="1"),)
+    assert [route.label for route in config.routes] == [
+        "*.example.com=/api/health/",
+        "~/api/v[0-9]+/.* header:x-version=2 header:x-beta header:!x-legacy header:x-tier~gold|silver query:debug=1",
+    ]
 
 
 def test_a_cluster_url_names_seed_nodes():
@@ -299,6 +330,25 @@ def test_missing_environment_variable_inside_a_list_names_the_index():
     assert "EXTRA" in message
 
 
+def test_shaping_quotas_and_long_rates_are_read():
+    config = parse(
+        "max_delayed: 32\n"
+        "limits:\n"
+        "  shaped: {rate: 10/second, burst: 1, mode: delay, max_delay: 500ms}\n"
+        "  monthly: {quota: {limit: 10000, per: month, reset: '06:30 UTC'}}\n"
+        "  yearly: {rate: 1000/year}\n" + ROUTE
+    )
+    shaped, monthly, yearly = config.limits
+    assert (shaped.max_delay, shaped.quota) == (0.5, None)
+    assert monthly.quota is not None and (monthly.quota.limit, monthly.quota.per, monthly.quota.reset) == (
+        10000, "month", 6.5 * 3600)
+    assert (monthly.burst, monthly.rate.period_seconds, monthly.max_delay) == (10000, 30 * 86400, 0.0)
+    assert yearly.rate.period_seconds == 365 * 86400 and yearly.burst == 1000
+    assert config.max_delayed == 32
+    assert parse(ROUTE).max_delayed == 256
+    assert parse("limits:\n  d: {quota: {limit: 5, per: day}}\n" + ROUTE).limits[0].quota.reset == 0
+
+
 # --- errors: one line naming the file, the YAML path and what was expected ---------
 
 ERROR_CASES = {
@@ -315,8 +365,8 @@ ERROR_CASES = {
     "unknown key in a match": (
         "routes:\n  - match: {path: /, method: [GET]}\n    upstream: http://h:1\n", "routes[0].match.method: unknown key"),
     "unknown key in a route timeout": (
-        "routes:\n  - match: {path: /}\n    upstream: http://h:1\n    timeout: {total: 1s}\n",
-        "routes[0].timeout.total: unknown key"),
+        "routes:\n  - match: {path: /}\n    upstream: http://h:1\n    timeout: {idle: 1s}\n",
+        "routes[0].timeout.idle: unknown key"),
     "missing routes": ("listen: 0.0.0.0:80\n", "routes: required key is missing"),
     "no routes": ("routes: []\n", "routes: expected at least one route"),
     "missing upstream": ("routes:\n  - match: {path: /}\n", "routes[0].upstream: required key is missing"),
@@ -329,6 +379,13 @@ ERROR_CASES = {
     "max_in_flight a word": ("max_in_flight: lots\n" + ROUTE, "max_in_flight: expected an integer, got a string"),
     "max_in_flight a boolean": ("max_in_flight: true\n" + ROUTE, "max_in_flight: expected an integer, got a boolean"),
     "max_in_flight null": ("max_in_flight:\n" + ROUTE, "max_in_flight: expected an integer, got nothing (null)"),
+    "burst past exact counting": (
+        "limits:\n  a: {rate: 1/second, burst: 100000000000000000000}\n" + ROUTE,
+        "limits.a.burst: expected an integer <= 1,000,000,000,000,000, got 100,000,000,000,000,000,000"),
+    "implied burst past exact counting": (
+        "limits:\n  a: {rate: 100000000000000000000/second}\n" + ROUTE, "limits.a.rate: a burst of 1e+20 is more than the"),
+    "quota past exact counting": (
+        "limits:\n  a: {quota: {limit: 10000000000000000, per: day}}\n" + ROUTE, "limits.a.quota.limit: expected an integer <="),
     "burst wrong type": ("limits:\n  a: {rate: 1/second, burst: lots}\n" + ROUTE, "limits.a.burst: expected an integer"),
     "routes wrong type": ("routes: {path: /}\n", "routes: expected a list, got a mapping"),
     "limits wrong type": ("limits: [a]\n" + ROUTE, "limits: expected a mapping, got a list"),
@@ -387,13 +444,12 @@ ERROR_CASES = {
         ONE_LIMIT + ROUTE + "    limits: [{name: a, cost: 4}]\n",
         "routes[0].limits[0].cost: cost 4 is greater than the burst 3 of limit 'a'"),
     "negative cost": (ONE_LIMIT + ROUTE + "    limits: [{name: a, cost: -1}]\n", "routes[0].limits[0].cost: expected an integer >= 0"),
-    "workers > 1 with the in-process store": ("workers: 2\n" + ROUTE, "workers: workers: 2 needs a shared store"),
+    "workers > 1 with the in-process store": ("workers: 2\n" + ROUTE, f"{SOURCE}: workers: 2 needs a shared `store:`; with the in-process store"),
     "workers > 1 on port 0": (
         "workers: 2\nlisten: 127.0.0.1:0\nstore: {url: 'redis://h/0'}\n" + ROUTE, "listen: port 0 needs workers: 1"),
-    "bad identity source": ("limits:\n  a: {rate: 1/second, key: [header]}\n" + ROUTE, "limits.a.key[0]: expected ip, header:NAME"),
+    "bad identity source": ("limits:\n  a: {rate: 1/second, key: [header]}\n" + ROUTE, "limits.a.key[0]: expected ip, ip/PREFIX, ip/PREFIX4,PREFIX6, header:NAME"),
     "unknown identity kind": ("limits:\n  a: {rate: 1/second, key: [body:id]}\n" + ROUTE, "limits.a.key[0]: expected ip"),
     "bad header name": ("limits:\n  a: {rate: 1/second, key: ['header:X Key']}\n" + ROUTE, "limits.a.key[0]: 'X Key' is not a valid header name"),
-    "empty key list": ("limits:\n  a: {rate: 1/second, key: []}\n" + ROUTE, "limits.a.key: expected at least one identity source"),
     "bad failure policy": (
         "limits:\n  a: {rate: 1/second, on_store_error: retry}\n" + ROUTE, "limits.a.on_store_error: expected open, closed or local"),
     "bad limit name": ("limits:\n  'a b': {rate: 1/second}\n" + ROUTE, "limits.a b: limit names may use"),
@@ -404,12 +460,90 @@ ERROR_CASES = {
     "host with a port, which could never match": (
         "routes:\n  - match: {path: /, host: 'api.example.com:8080'}\n    upstream: http://h:1\n",
         "routes[0].match.host: expected a host name without a port"),
+    "no path form": ("routes:\n  - match: {methods: [GET]}\n    upstream: http://h:1\n",
+                     "routes[0].match: expected exactly one of path (a prefix), exact or regex"),
+    "two path forms": ("routes:\n  - match: {path: /a, exact: /a}\n    upstream: http://h:1\n",
+                       "routes[0].match: expected exactly one of path (a prefix), exact or regex"),
+    "exact path with an escape": ("routes:\n  - match: {exact: /a%20b}\n    upstream: http://h:1\n",
+                                  "routes[0].match.exact: write the path decoded"),
+    "regex RE2 does not take": ("routes:\n  - match: {regex: '/(a)\\1'}\n    upstream: http://h:1\n",
+                                "routes[0].match.regex: not a regular expression RE2 takes (invalid escape sequence: \\1)"),
+    "regex that does not parse": ("routes:\n  - match: {regex: '/(a'}\n    upstream: http://h:1\n",
+                                  "routes[0].match.regex: not a regular expression RE2 takes (missing ): /(a)"),
+    "strip_prefix without a prefix": ("routes:\n  - match: {exact: /a}\n    upstream: http://h:1\n    strip_prefix: true\n",
+                                      "routes[0].strip_prefix: needs a prefix to strip: match.path, not match.exact"),
+    "wildcard host alone": ("routes:\n  - match: {path: /, host: '*'}\n    upstream: http://h:1\n",
+                            "routes[0].match.host: expected a host name without a port, such as api.example.com or *.example.com"),
+    "wildcard inside a host": ("routes:\n  - match: {path: /, host: 'a.*.example.com'}\n    upstream: http://h:1\n",
+                               "routes[0].match.host: expected a host name"),
+    "header condition of the wrong type": ("routes:\n  - match: {path: /, headers: {X-V: 2}}\n    upstream: http://h:1\n",
+                                           "routes[0].match.headers.X-V: expected a string (the exact value) or"),
+    "header condition with two forms": (
+        "routes:\n  - match: {path: /, headers: {X-V: {exact: a, regex: b}}}\n    upstream: http://h:1\n",
+        "routes[0].match.headers.X-V: expected exactly one of present, exact or regex"),
+    "header condition with an unknown form": (
+        "routes:\n  - match: {path: /, headers: {X-V: {prefix: a}}}\n    upstream: http://h:1\n",
+        "routes[0].match.headers.X-V.prefix: unknown key"),
+    "header condition named twice": (
+        "routes:\n  - match: {path: /, headers: {X-V: a, x-v: b}}\n    upstream: http://h:1\n",
+        "routes[0].match.headers.x-v: header 'x-v' is given twice"),
+    "bad header name in a condition": (
+        "routes:\n  - match: {path: /, headers: {'X V': a}}\n    upstream: http://h:1\n",
+        "routes[0].match.headers.X V: 'X V' is not a valid header name"),
+    "present that is not a boolean": (
+        "routes:\n  - match: {path: /, query: {q: {present: yes please}}}\n    upstream: http://h:1\n",
+        "routes[0].match.query.q.present: expected true or false"),
+    "query regex RE2 does not take": (
+        "routes:\n  - match: {path: /, query: {q: {regex: '(?<=a)b'}}}\n    upstream: http://h:1\n",
+        "routes[0].match.query.q.regex: not a regular expression RE2 takes"),
+    "query conditions as a list": (
+        "routes:\n  - match: {path: /, query: [q]}\n    upstream: http://h:1\n",
+        "routes[0].match.query: expected a mapping of query parameter names, got a list"),
     "tls_ca_file without TLS": (
         "store: {url: 'redis://h/0', tls_ca_file: /etc/hostname}\n" + ROUTE,
         "store.tls_ca_file: only applies to a rediss:// (TLS) store URL"),
+    "neither rate nor quota": ("limits:\n  a: {burst: 3}\n" + ROUTE, "limits.a: expected exactly one of `rate`"),
+    "both rate and quota": (
+        "limits:\n  a: {rate: 1/second, quota: {limit: 1, per: day}}\n" + ROUTE, "limits.a: expected exactly one of"),
+    "an unknown mode": ("limits:\n  a: {rate: 1/second, mode: queue}\n" + ROUTE, "limits.a.mode: expected reject or delay"),
+    "delay without max_delay": (
+        "limits:\n  a: {rate: 1/second, mode: delay}\n" + ROUTE, "limits.a.max_delay: required with mode: delay"),
+    "max_delay without delay": (
+        "limits:\n  a: {rate: 1/second, max_delay: 1s}\n" + ROUTE, "limits.a.max_delay: only applies with mode: delay"),
+    "max_delay past a minute": (
+        "limits:\n  a: {rate: 1/second, mode: delay, max_delay: 61s}\n" + ROUTE, "limits.a.max_delay: at most 60s"),
+    "max_delay without a unit": (
+        "limits:\n  a: {rate: 1/second, mode: delay, max_delay: 500}\n" + ROUTE, "limits.a.max_delay: expected a duration"),
+    "a shadow limit that delays": (
+        "limits:\n  a: {rate: 1/second, mode: delay, max_delay: 1s, shadow: true}\n" + ROUTE,
+        "limits.a.mode: a shadow limit never holds a request back"),
+    "a quota that delays": (
+        "limits:\n  a: {quota: {limit: 1, per: day}, mode: delay, max_delay: 1s}\n" + ROUTE,
+        "limits.a.mode: a quota cannot delay"),
+    "a quota with a burst": (
+        "limits:\n  a: {quota: {limit: 1, per: day}, burst: 2}\n" + ROUTE, "limits.a.burst: a quota has no burst"),
+    "a quota per fortnight": (
+        "limits:\n  a: {quota: {limit: 1, per: fortnight}}\n" + ROUTE,
+        "limits.a.quota.per: expected hour, day, week, month, got 'fortnight'"),
+    "a quota of none": ("limits:\n  a: {quota: {limit: 0, per: day}}\n" + ROUTE, "limits.a.quota.limit: expected an integer >= 1"),
+    "a quota reset at 24:00": (
+        "limits:\n  a: {quota: {limit: 1, per: day, reset: '24:00 UTC'}}\n" + ROUTE,
+        "limits.a.quota.reset: expected a time of day in UTC"),
+    "a quota reset in another zone": (
+        "limits:\n  a: {quota: {limit: 1, per: day, reset: '09:00 CET'}}\n" + ROUTE, "limits.a.quota.reset: expected"),
+    "a quota missing its period": ("limits:\n  a: {quota: {limit: 1}}\n" + ROUTE, "limits.a.quota.per: required key"),
+    "a cost above a quota": (
+        "limits:\n  a: {quota: {limit: 2, per: day}}\nroutes:\n  - match: {path: /}\n    upstream: http://h:1\n"
+        "    limits: [{name: a, cost: 3}]\n", "routes[0].limits[0].cost: cost 3 is greater than the burst 2"),
+    "max_delayed zero": ("max_delayed: 0\n" + ROUTE, "max_delayed: expected an integer >= 1, got 0"),
     "tls_ca_file missing": (
         "store: {url: 'rediss://h/0', tls_ca_file: /nonexistent/ca.pem}\n" + ROUTE,
         "store.tls_ca_file: no such file"),
+    # urlsplit raises ValueError on an unclosed `[` or a bracketed non-address: it was a traceback.
+    "store URL with an unclosed IPv6 bracket": (
+        "store: {url: 'redis://[::1:6379/0'}\n" + ROUTE, "store.url: not a URL (Invalid IPv6 URL): 'redis://[::1:6379/0'"),
+    "upstream with an unclosed IPv6 bracket": (
+        "routes:\n  - match: {path: /}\n    upstream: 'http://[::1:9000'\n", "routes[0].upstream: not a URL (Invalid IPv6 URL)"),
 }
 
 

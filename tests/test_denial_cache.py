@@ -16,7 +16,7 @@ import pytest
 from gateway.config.model import Limit, StoreConfig
 from gateway.limiter import denial_cache
 from gateway.limiter.client_waves import ClientWaves
-from gateway.limiter.denial_cache import DenialCache, denied_until
+from gateway.limiter.denial_cache import DenialCache, could_pass_in, held_until
 from gateway.limiter.keys import bucket_key, identity_digest
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.redis_store import SECRET_KEY_SUFFIX, RedisStore
@@ -24,9 +24,11 @@ from gateway.limiter.store import LimitCheck, StoreError
 from gateway.testing import config_from_yaml
 
 
-def limit(rate: str = "10/second", burst: int = 5, name: str = "per_client") -> Limit:
+def limit(rate: str = "10/second", burst: int = 5, name: str = "per_client", shape: str = "") -> Limit:
+    """`shape`: more of the limit's YAML, such as `mode: delay, max_delay: 500ms`, or a quota instead of a rate."""
+    body = shape if shape.startswith("quota") else f"rate: {rate}, burst: {burst}" + (f", {shape}" if shape else "")
     config = config_from_yaml(
-        f"limits:\n  {name}: {{rate: {rate}, burst: {burst}, key: header:X-API-Key}}\n"
+        f"limits:\n  {name}: {{{body}, key: header:X-API-Key}}\n"
         f"routes:\n  - match: {{path: /}}\n    upstream: http://127.0.0.1:1\n    limits: [{name}]\n"
     )
     return config.limits[0]
@@ -34,10 +36,40 @@ def limit(rate: str = "10/second", burst: int = 5, name: str = "per_client") -> 
 
 def test_a_denial_lasts_until_the_missing_tokens_refill_less_the_margins():
     per_client = limit(rate="10/second")
-    until = denied_until(sent_at=100.0, remaining=0.5, limit=per_client, cost=2)
+    wait = could_pass_in(remaining=0.5, limit=per_client, cost=2)
+    assert wait == pytest.approx(1.5 / 10)
+    until = held_until(100.0, wait)
     exact = 100.0 + 1.5 / 10
     assert exact - 0.002 < until < exact
     assert until == pytest.approx(exact * 1 - 0.15 * denial_cache.CLOCK_RATE_MARGIN - denial_cache.ROUNDING_MARGIN)
+
+
+def test_a_shaping_limit_is_denied_only_past_its_debt_and_that_much_shorter():
+    """10/s with max_delay 500 ms may owe 5 tokens: a bucket at -4 admits a request of
+    cost 1 (after a wait), so nothing is cached; at -5.5 the denial ends when the bucket
+    is back at -4, 0.15 s on, not when it could pay outright, 0.65 s on."""
+    shaping = limit(rate="10/second", shape="mode: delay, max_delay: 500ms")
+    cache = DenialCache()
+    cache.record(LimitCheck(shaping, "k", 1), remaining=-4.0, sent_at=100.0)
+    assert len(cache) == 0
+    cache.record(LimitCheck(shaping, "k", 1), remaining=-5.5, sent_at=100.0)
+    hit = cache.lookup([LimitCheck(shaping, "k", 1)], 100.1)
+    assert hit is not None and hit.retry_after == pytest.approx(0.05, abs=0.002)
+    assert hit.remaining == pytest.approx(-4.5)
+    assert cache.lookup([LimitCheck(shaping, "k", 1)], 100.15) is None
+
+
+def test_a_spent_quota_is_denied_until_its_window_ends_and_refills_nothing_meanwhile():
+    daily = limit(name="daily", shape="quota: {limit: 10, per: day}")
+    cache = DenialCache()
+    cache.record(LimitCheck(daily, "k", 1), remaining=0.0, sent_at=100.0, reset=3600.0)
+    hit = cache.lookup([LimitCheck(daily, "k", 1)], 2000.0)
+    assert hit is not None and hit.remaining == 0.0
+    # Held a little less than the window, by the margins, but the window's real end is what
+    # a Retry-After advertises: 3.6 s early for a day's quota would be 86 s early for a month's.
+    assert hit.expires_in == pytest.approx(3600 - 1900 - 3600 * denial_cache.CLOCK_RATE_MARGIN - 0.001)
+    assert hit.retry_after == pytest.approx(3600 - 1900)
+    assert cache.lookup([LimitCheck(daily, "k", 1)], 100.0 + 3600 * (1 - denial_cache.CLOCK_RATE_MARGIN)) is None
 
 
 def test_a_denial_covers_its_bucket_and_cost_until_it_ends():
@@ -63,7 +95,8 @@ def test_with_a_store_that_refunds_a_denial_is_held_at_most_max_hold():
     slow = limit(rate="1/hour", burst=5)
     cache = DenialCache(max_hold=0.05)
     cache.record(LimitCheck(slow, "k", 1), remaining=0.0, sent_at=100.0)
-    assert cache.lookup([LimitCheck(slow, "k", 1)], 100.049) is not None
+    held = cache.lookup([LimitCheck(slow, "k", 1)], 100.049)
+    assert held is not None and held.retry_after == pytest.approx(3600 - 0.049)
     assert cache.lookup([LimitCheck(slow, "k", 1)], 100.05) is None
     unbounded = DenialCache()
     unbounded.record(LimitCheck(slow, "k", 1), remaining=0.0, sent_at=100.0)
@@ -78,6 +111,16 @@ def test_a_limit_replaced_by_a_reload_never_matches_an_old_denial():
     assert cache.lookup([LimitCheck(after, "k", 1)], 1.0) is None
     assert cache.lookup([LimitCheck(before, "k", 1)], 1.0) is None  # and the stale entry is dropped
     assert len(cache) == 0
+
+
+def test_a_limit_a_reload_left_unchanged_keeps_its_denials():
+    cache = DenialCache()
+    before = limit(rate="1/hour")
+    cache.record(LimitCheck(before, "k", 1), remaining=0, sent_at=0.0)
+    reloaded = limit(rate="1/hour")  # equal settings, a new object
+    assert reloaded is not before
+    assert cache.lookup([LimitCheck(reloaded, "k", 1)], 1.0) is not None
+    assert cache.lookup([LimitCheck(reloaded, "k", 1)], 2.0) is not None
 
 
 def test_memory_is_bounded_by_forgetting_the_oldest_denial():
@@ -151,43 +194,50 @@ return tostring(math.min(capacity, held + math.max(0, now - ts) / 1000 * rate))
 """
 
 
-async def test_under_random_traffic_from_three_gateways_the_cache_never_denies_what_redis_would_allow(dedicated_redis):
+@pytest.mark.parametrize("max_delay", [0.0, 0.05], ids=["rejecting", "shaping"])
+async def test_under_random_traffic_from_three_gateways_the_cache_never_denies_what_redis_would_allow(
+    dedicated_redis, max_delay
+):
+    """Shaping: the limit may owe max_delay × rate = 2 tokens, and a request Redis would
+    admit into that debt (after a wait) is one the cache must not deny."""
     redis_server = dedicated_redis
     # The default store.timeout: every decision must come from Redis or the cache.
     config = StoreConfig(url=redis_server.url, timeout=0.01, prefix="rl:", local_divisor=1, max_pending=4096, key_secret=None)
     stores = [RedisStore(config) for _ in range(3)]
     limiters = [Limiter(store, shared_store=True) for store in stores]
-    per_client = limit(rate="40/second", burst=4)
+    per_client = limit(rate="40/second", burst=4, shape=f"mode: delay, max_delay: {max_delay * 1000:g}ms" if max_delay else "")
+    debt = max_delay * 40
     client = redis_server.client()
     peek = client.register_script(PEEK_SCRIPT)
     rng = random.Random(6)
-    cache_answers = store_answers = 0
+    cache_answers = store_answers = delayed = 0
     for store in stores:
         await store.start()
     secret = client.get("rl:" + SECRET_KEY_SUFFIX).encode()
     try:
 
         async def traffic(limiter: Limiter) -> None:
-            nonlocal cache_answers, store_answers
+            nonlocal cache_answers, store_answers, delayed
             end = time.monotonic() + 1.5
             while time.monotonic() < end:
                 identity, cost = f"client-{rng.randrange(3)}", rng.choice((1, 1, 2, 3))
-                checks = [LimitCheck(per_client, identity, cost)]
+                checks = [LimitCheck(per_client, identity, cost, max_delay=max_delay)]
                 now = time.monotonic()
                 cached = limiter.denials.lookup(checks, now)
                 if cached is not None:
                     # The cache claims Redis denies this until `until`; a peek that ended before
                     # then must agree.
-                    until = now + cached.retry_after
+                    until = now + cached.expires_in
                     key = bucket_key("rl:", per_client.name, identity_digest(secret, identity))
                     tokens = float(await asyncio.to_thread(peek, keys=[key], args=[4.0, 40.0]))
                     if time.monotonic() < until:
-                        assert tokens < cost, f"the cache denied {identity} cost {cost} with {tokens} tokens in Redis"
+                        assert tokens - cost < -debt, f"the cache denied {identity} cost {cost} with {tokens} tokens in Redis"
                         cache_answers += 1
                 else:
                     store_answers += 1
                 decision = await limiter.check(checks)
-                assert decision.statuses[0].outcome in ("allow", "deny")
+                assert decision.statuses[0].outcome in ("allow", "deny", "delayed" if max_delay else "allow")
+                delayed += decision.statuses[0].outcome == "delayed"
                 await asyncio.sleep(rng.random() * 0.004)  # paces the traffic; synchronises nothing
 
         await asyncio.gather(*(traffic(limiter) for limiter in limiters for _ in range(4)))
@@ -195,3 +245,4 @@ async def test_under_random_traffic_from_three_gateways_the_cache_never_denies_w
         for store in stores:
             await store.close()
     assert cache_answers > 100 and store_answers > 100, (cache_answers, store_answers)
+    assert (delayed > 100) == bool(max_delay), delayed

@@ -9,20 +9,23 @@ path, or get the 404 of an unmatched path."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import json
 import re
+import signal
 import ssl
 
 import aiohttp
 import pytest
 import trustme
 from aiohttp import web
+from cryptography.hazmat.primitives import serialization
 
 from gateway.config import ConfigError, parse_config
 from gateway.proxy.protocol import request_parser
 from gateway.testing import config_from_yaml, running_gateway
-from tests.processes import GatewayProcess, run_cli
+from tests.processes import GatewayProcess, eventually, run_cli
 from tests.raw_client import raw_exchange
 
 ROUTE = "routes:\n  - match: {path: /}\n    upstream: http://127.0.0.1:9000\n"
@@ -185,6 +188,7 @@ async def test_tls_min_version_refuses_older_clients(upstream, ca, certificate):
     [
         ("{cert: /nonexistent/cert.pem, key: /nonexistent/key.pem}", "listen.tls: cannot load the certificate and key"),
         ("{cert: CERT, key: CERT}", "listen.tls: cannot load the certificate and key"),
+        ("{cert: CERT, key: KEY.encrypted}", "listen.tls.key: the key is encrypted; give the gateway an unencrypted key"),
         ("{cert: CERT, key: KEY, min_version: TLSv1.1}", "listen.tls.min_version: expected TLSv1.2 or TLSv1.3"),
         ("{cert: CERT}", "listen.tls.key: required key is missing"),
         ("{cert: CERT, key: KEY, ciphers: ALL}", "listen.tls.ciphers: unknown key"),
@@ -192,10 +196,89 @@ async def test_tls_min_version_refuses_older_clients(upstream, ca, certificate):
 )
 def test_a_tls_block_that_cannot_serve_is_a_config_error(certificate, tls, expected):
     cert, key = certificate
+    # A passphrase-protected key: without a callback OpenSSL would prompt on the terminal.
+    private = serialization.load_pem_private_key(key.read_bytes(), password=None)
+    (key.parent / "key.pem.encrypted").write_bytes(private.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.BestAvailableEncryption(b"secret")
+    ))
     text = f"listen: {{address: 127.0.0.1:8443, tls: {tls.replace('CERT', str(cert)).replace('KEY', str(key))}}}\n" + ROUTE
     with pytest.raises(ConfigError) as info:
         parse(text)
     assert expected in str(info.value)
+
+
+async def served_certificate(url: str, ca) -> tuple[bytes, str | None]:
+    """The DER certificate a new TLS connection to `url` is shown, and the ALPN protocol
+    chosen from the h2 and http/1.1 a browser offers."""
+    host, port = url.removeprefix("https://").split(":")
+    context = client_context(ca)
+    context.set_alpn_protocols(["h2", "http/1.1"])
+    _, writer = await asyncio.open_connection(host, int(port), ssl=context)
+    tls = writer.get_extra_info("ssl_object")
+    served = tls.getpeercert(binary_form=True), tls.selected_alpn_protocol()
+    writer.close()
+    await writer.wait_closed()
+    return served
+
+
+def der(issued: trustme.LeafCert) -> bytes:
+    return ssl.PEM_cert_to_DER_cert(issued.cert_chain_pems[0].bytes().decode())
+
+
+async def test_running_gateway_serves_listen_tls_as_the_cli_does(upstream, ca, certificate):
+    cert, key = certificate
+    async with running_gateway(tls_config(upstream, cert, key)) as gw:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=client_context(ca))) as session:
+            async with session.get(gw.url + "/echo/tls") as response:
+                echo = await response.json()
+    assert gw.url.startswith("https://")
+    assert ["X-Forwarded-Proto", "https"] in echo["headers"]
+
+
+@pytest.mark.parametrize("sent", [b"", b"\x16\x03\x01\x00\xff\x01"], ids=["nothing", "half a ClientHello"])
+async def test_a_tls_handshake_that_stalls_is_closed_at_client_header_timeout(upstream, certificate, sent):
+    cert, key = certificate
+    config = tls_config(upstream, cert, key) + "client_header_timeout: 200ms\n"
+    with GatewayProcess(config) as gw:
+        host, port = gw.url.removeprefix("https://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(sent)
+        # Closed at the timeout, not at asyncio's 60 s handshake default; 5 s is only a bound.
+        with contextlib.suppress(ConnectionResetError):
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        log = "".join(gw.stderr_lines)
+    assert "Traceback" not in log
+
+
+async def test_the_listener_answers_alpn_with_http_1_1(upstream, ca, certificate):
+    cert, key = certificate
+    with GatewayProcess(tls_config(upstream, cert, key)) as gw:
+        _, protocol = await served_certificate(gw.url, ca)
+    assert protocol == "http/1.1"
+
+
+async def test_sighup_serves_a_renewed_certificate_from_the_next_handshake(upstream, ca, certificate):
+    # certbot and cert-manager renew in place, under the same paths, then signal a reload.
+    cert, key = certificate
+    with GatewayProcess(tls_config(upstream, cert, key)) as gw:
+        first, _ = await served_certificate(gw.url, ca)
+        renewed = ca.issue_cert("127.0.0.1", "localhost")
+        renewed.cert_chain_pems[0].write_to_path(str(cert))
+        renewed.private_key_pem.write_to_path(str(key))
+        gw.signal(signal.SIGHUP)
+        await eventually(lambda: any("config reloaded" in line for line in gw.stderr_lines), what="the reload")
+        now, _ = await served_certificate(gw.url, ca)
+        # A key that is not the certificate's fails the whole reload; the renewed pair serves on.
+        ca.issue_cert("127.0.0.1").private_key_pem.write_to_path(str(key))
+        gw.signal(signal.SIGHUP)
+        await eventually(lambda: any("config reload failed" in line for line in gw.stderr_lines), what="the refusal")
+        kept, _ = await served_certificate(gw.url, ca)
+        log = "".join(gw.stderr_lines)
+    assert first != der(renewed)
+    assert now == kept == der(renewed), log
+    assert "listen.tls: cannot load the certificate and key: [X509: KEY_VALUES_MISMATCH]" in log
+    assert "take effect only at restart" not in log and "Traceback" not in log
 
 
 def test_listen_may_still_be_a_plain_address():

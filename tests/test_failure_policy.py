@@ -12,7 +12,10 @@ import time
 
 import aiohttp
 
+from gateway.config import load_config
+from gateway.limiter.circuit_breaker import BreakerState
 from gateway.testing import running_gateway
+from tests.processes import eventually
 from tests.scrape import decisions
 
 
@@ -115,6 +118,22 @@ async def test_local_limit_with_divisor_1_is_the_global_limit(redis_server, upst
         assert statuses == [200] * 10 + [429] * 2
 
 
+async def test_a_reload_that_changes_a_local_limit_changes_its_local_share(redis_server, upstream, tmp_path):
+    """Reproduction: the local share was kept by limit name, so after a reload raised the
+    burst from 10 to 16 a new client still got 10 while Redis was down."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text(gateway_yaml(redis_server.url, upstream))
+    async with running_gateway(load_config(str(path))) as gw, aiohttp.ClientSession() as http:
+        redis_server.stop()
+        statuses = [(await get(http, gw.url + "/local", key="before"))[0].status for _ in range(11)]
+        assert statuses == [200] * 10 + [429]
+        path.write_text(gateway_yaml(redis_server.url, upstream).replace("burst: 10\n    key: header:X-API-Key\n    on_store_error: local", "burst: 16\n    key: header:X-API-Key\n    on_store_error: local"))
+        assert gw.gateway.reload()
+        responses = [(await get(http, gw.url + "/local", key="after"))[0] for _ in range(17)]
+        assert [r.status for r in responses] == [200] * 16 + [429]
+        assert responses[-1].headers["RateLimit-Policy"] == '"nearby";q=16;w=1382400'
+
+
 async def test_local_limit_burst_is_never_below_the_routes_cost(redis_server, upstream):
     """burst 10 over local_divisor 8 leaves 1.25 tokens; a route costing 5 must still pass
     once per local bucket, rather than never."""
@@ -194,3 +213,36 @@ async def test_readyz_stays_ready_when_every_limit_can_serve_without_the_store(r
             body = await response.json()
             assert response.status == 200
             assert (body["ready"], body["store_state"]) == (True, "unreachable")
+
+
+async def test_the_local_stand_in_drops_its_full_buckets_once_the_store_answers_again(redis_server, upstream):
+    """Reproduction: the in-process buckets of `on_store_error: local` were dropped only by
+    checks of the stand-in itself, which stop when the store answers again, so every client
+    of an outage's last refill period stayed in memory until the next outage (198 of 15,000
+    flooding clients at 5/second; at 100/hour, every client of the outage's last hour)."""
+    config = gateway_yaml(redis_server.url, upstream, with_closed=False).replace(
+        "rate: 1/day\n    burst: 10\n    key: header:X-API-Key\n    on_store_error: local",
+        "rate: 1/second\n    burst: 2\n    key: header:X-API-Key\n    on_store_error: local",
+    )
+    async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
+        limiter = gw.gateway.limiter
+        stand_in = limiter._local_store._buckets  # its len() would drop the full ones itself
+        redis_server.stop()
+        for i in range(200):
+            response, _ = await get(http, gw.url + "/local", key=f"flood-{i}")
+            assert response.status == 200
+        assert len(stand_in) == 200
+        redis_server.start()
+
+        async def breaker_closed() -> bool:
+            await get(http, gw.url + "/local", key="after")
+            return limiter.breaker.state is BreakerState.CLOSED
+
+        await eventually(breaker_closed, what="the store to decide again")
+        assert stand_in, "the stand-in's buckets filled before the store decided again"
+
+        async def stand_in_empty() -> bool:
+            await get(http, gw.url + "/local", key="after")
+            return not stand_in
+
+        await eventually(stand_in_empty, what="the full stand-in buckets to be dropped")

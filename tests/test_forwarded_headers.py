@@ -59,7 +59,9 @@ async def test_a_trusted_proxys_forwarding_headers_are_kept_and_our_hop_appended
         assert echoed_headers(echo, "X-Forwarded-For") == [f"1.2.3.4, {TRUSTED_PROXY}"]
         assert echoed_headers(echo, "X-Forwarded-Proto") == ["https"]  # it saw the client's scheme; we did not
         assert echoed_headers(echo, "X-Forwarded-Host") == ["forged.example"]
-        assert echoed_headers(echo, "Forwarded") == ["for=1.2.3.4;proto=https;host=forged.example"]
+        assert echoed_headers(echo, "Forwarded") == [
+            f"for=1.2.3.4;proto=https;host=forged.example, for={TRUSTED_PROXY};host=gateway.test;proto=http"
+        ]
 
 
 async def test_with_append_an_untrusted_peers_chain_is_passed_on_with_our_hop(upstream):
@@ -69,7 +71,9 @@ async def test_with_append_an_untrusted_peers_chain_is_passed_on_with_our_hop(up
         echo = echoed(body)
         assert echoed_headers(echo, "X-Forwarded-For") == ["1.2.3.4, 127.0.0.1"]
         assert echoed_headers(echo, "X-Forwarded-Proto") == ["http"]
-        assert echoed_headers(echo, "Forwarded") == ["for=1.2.3.4;proto=https;host=forged.example"]
+        assert echoed_headers(echo, "Forwarded") == [
+            "for=1.2.3.4;proto=https;host=forged.example, for=127.0.0.1;host=gateway.test;proto=http"
+        ]
 
 
 @pytest.mark.parametrize("mode", ["replace", "append"])

@@ -104,6 +104,8 @@ def forged_tokens() -> dict[str, str]:
         "hs512-same-secret": token({"sub": "mallory-hs512"}, algorithm="HS512"),
         "garbage": "not.a.token",
         "empty-parts": "..",
+        # 8 KB, under aiohttp's 8190-byte header line; its JSON nests past Python's recursion limit.
+        "deeply-nested-header": jwt.utils.base64url_encode(b"[" * 3000 + b"]" * 3000).decode() + f".{payload}.{signature}",
     }
 
 
@@ -245,6 +247,18 @@ def test_a_remembered_token_stops_counting_once_it_expires():
     assert verifier.claims(remembered)["sub"] == "kim"
     now[0] += 2  # past exp + leeway: the memo never outlives the token
     assert verifier.claims(remembered) is None
+
+
+def test_a_remembered_token_ends_when_pyjwt_would_refuse_it_whatever_its_exp():
+    now = [time.time()]
+    verifier = hs256_verifier(lambda: now[0])
+    fractional = token({"sub": "lee", "exp": int(now[0]) + 60.9})  # PyJWT reads int(exp): 60
+    beyond_float = token({"sub": "max", "exp": 10**400})  # a valid integer no float holds
+    assert verifier.claims(fractional)["sub"] == "lee"
+    assert verifier.claims(beyond_float)["sub"] == "max"
+    now[0] = int(now[0]) + 60.5
+    assert verifier.claims(fractional) is None
+    assert verifier.claims(beyond_float)["sub"] == "max"
 
 
 def test_the_memo_of_verified_tokens_stays_bounded_and_keeps_no_forgeries():

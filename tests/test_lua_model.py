@@ -86,20 +86,33 @@ capacities = st.one_of(
 coverage: collections.Counter[str] = collections.Counter()
 
 
-def script_args(capacity: float, rate: float, cost: int) -> list[str]:
-    """ARGV as gateway.limiter.redis_store formats it."""
-    return [repr(float(capacity)), repr(float(rate)), str(cost)]
+def script_args(capacity: float, rate: float, cost: int, debt: float = 0.0) -> list[str]:
+    """One bucket's ARGV as gateway.limiter.redis_store formats it (after the kinds, ARGV[1])."""
+    return [repr(float(capacity)), repr(float(rate)), repr(float(cost)), repr(float(debt))]
+
+
+def argv(*buckets: list[str]) -> list[str]:
+    """ARGV for buckets given by `script_args`: their kinds, then their values."""
+    return ["b" * len(buckets), *(a for values in buckets for a in values)]
+
+
+# How long a shaping limit (mode: delay) may hold a request, in seconds: none (it
+# rejects), a fraction of a token's refill, the issue's 500 ms, and a minute.
+max_delays = st.sampled_from([0.0, 0.0, 0.0, 0.001, 0.5, 60.0])
 
 
 class TokenBucketAgainstModel(RuleBasedStateMachine):
     @initialize(
         limits=st.lists(st.tuples(capacities, rates), min_size=1, max_size=3),
+        delays=st.lists(max_delays, min_size=3, max_size=3),
         start=clock_starts,
     )
-    def setup(self, limits: list[tuple[float, float]], start: int) -> None:
+    def setup(self, limits: list[tuple[float, float]], delays: list[float], start: int) -> None:
         self.redis = FakeRedis()
         self.script = LuaScript(SCRIPT, self.redis)
         self.limits = limits
+        # Tokens each bucket may owe: max_delay × rate, as the stores compute it.
+        self.debts = [delay * rate for delay, (_, rate) in zip(delays, limits)]
         self.keys = [f"rl:limit{i}:{{client}}" for i in range(len(limits))]
         self.model: list[bucket.BucketState | None] = [None] * len(limits)
         self.clock = start
@@ -136,11 +149,15 @@ class TokenBucketAgainstModel(RuleBasedStateMachine):
             for i in chosen
         ]
         keys = [self.keys[i] for i in chosen]
-        argv = [a for i, cost in zip(chosen, costs) for a in script_args(*self.limits[i], cost)]
-        allowed, remaining, retry_ms = self.script(keys, argv)
+        args = argv(*(script_args(*self.limits[i], cost, self.debts[i]) for i, cost in zip(chosen, costs)))
+        allowed, remaining, retry_ms, wait_ms, resets = self.script(keys, args)
+        assert resets == [-1] * len(chosen)
 
         now = self.now_ms()
-        specs = [bucket.BucketSpec(capacity=self.limits[i][0], rate=self.limits[i][1] / 1000, cost=c) for i, c in zip(chosen, costs)]
+        specs = [
+            bucket.BucketSpec(capacity=self.limits[i][0], rate=self.limits[i][1] / 1000, cost=c, debt=self.debts[i])
+            for i, c in zip(chosen, costs)
+        ]
         states = [self.model[i] for i in chosen]
         agreement = agree(states, specs, now, bool(allowed), [float(text) for text in remaining])
         outcome = agreement.model
@@ -160,6 +177,12 @@ class TokenBucketAgainstModel(RuleBasedStateMachine):
                 assert float(text) == float(self.redis.hashes[self.keys[i]]["tokens"]), text
         if allowed:
             assert retry_ms == 0
+            if outcome.allowed:
+                # The wait: the model's, rounded up to the millisecond; 0 when every bucket could pay.
+                slack = TOLERANCE * max(1.0, outcome.wait)
+                assert outcome.wait - slack <= wait_ms < outcome.wait + 1 + slack, (wait_ms, outcome)
+                coverage["delayed"] += wait_ms > 0
+                coverage["in debt"] += any(float(text) < 0 for text in remaining)
         elif outcome.allowed:
             pass  # a rounding tie: the model's wait is 0, the script's the ulps it lacks, rounded up
         elif math.isinf(outcome.retry_after):
@@ -222,7 +245,7 @@ def test_the_script_makes_the_models_decisions():
     print("coverage:", dict(coverage))
     for case in (
         "zero elapsed", "negative elapsed", "cost 0", "cost above capacity", "rate <= 1e-5", "rate >= 1e5",
-        "fractional tokens", "allowed", "denied", "expired", "waited exactly retry_after",
+        "fractional tokens", "allowed", "denied", "expired", "waited exactly retry_after", "delayed", "in debt",
     ):
         assert coverage[case] > 0, f"no example had {case}: {dict(coverage)}"
 
@@ -235,10 +258,10 @@ def test_a_rounding_tie_is_the_only_split_decision():
     fake = FakeRedis()
     script = LuaScript(SCRIPT, fake)
     spec = bucket.BucketSpec(capacity=1.0, rate=1e-6 / 1000, cost=1)
-    assert script(["k"], script_args(1.0, 1e-6, 1)) == [1, ["0"], 0]
+    assert script(["k"], argv(script_args(1.0, 1e-6, 1))) == [1, ["0"], 0, 0, [-1]]
     state = bucket.BucketState(tokens=0.0, stamp=0.0)
     fake.set_clock(10**9 * 1000)
-    allowed, remaining, _ = script(["k"], script_args(1.0, 1e-6, 1))
+    allowed, remaining, *_ = script(["k"], argv(script_args(1.0, 1e-6, 1)))
     agreement = agree([state], [spec], 1e9, bool(allowed), [float(r) for r in remaining])
     assert (allowed, agreement.model.allowed, agreement.model.remaining) == (1, False, (0.9999999999999999,))
     assert agreement.problems == []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -42,6 +43,7 @@ class Reply:
     allowed: int
     remaining: list[str]
     retry_ms: int
+    wait_ms: int = 0
 
 
 class TokenBucket:
@@ -53,12 +55,13 @@ class TokenBucket:
 
     def __call__(self, *limits: tuple[str, float, float, int]) -> Reply:
         keys = [key for key, *_ in limits]
-        args: list[str] = []
+        args: list[str] = ["b" * len(limits)]
         for _, capacity, rate, cost in limits:
-            # As gateway.limiter.redis_store sends them.
-            args += [repr(float(capacity)), repr(float(rate)), str(cost)]
-        allowed, remaining, retry_ms = self.client.evalsha(self.sha, len(keys), *keys, *args)
-        return Reply(allowed=allowed, remaining=list(remaining), retry_ms=retry_ms)
+            # As gateway.limiter.redis_store sends them, for buckets that may not owe.
+            args += [repr(float(capacity)), repr(float(rate)), repr(float(cost)), "0.0"]
+        allowed, remaining, retry_ms, wait_ms, resets = self.client.evalsha(self.sha, len(keys), *keys, *args)
+        assert resets == [-1] * len(limits)  # buckets have no window to reset
+        return Reply(allowed=allowed, remaining=list(remaining), retry_ms=retry_ms, wait_ms=wait_ms)
 
 
 @pytest.fixture
@@ -102,9 +105,12 @@ def test_the_clock_is_redis_time_and_is_stored_as_the_stamp(script, client):
 def test_the_script_takes_no_time_argument():
     source = load_script()
     assert "redis.call('TIME')" in source
-    # Exactly three arguments per limit: capacity, rate, cost.
-    assert "ARGV[3 * i - 2]" in source and "ARGV[3 * i - 1]" in source and "ARGV[3 * i]" in source
-    assert "ARGV[3 * i + " not in source and "#ARGV" not in source
+    # The kinds, then exactly four arguments per limit (a bucket's capacity, rate, cost and
+    # debt; a quota's limit, period, cost and offset): none of them a time.
+    assert "local a = 4 * i - 2" in source
+    code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith("--"))
+    assert set(re.findall(r"ARGV\[([^\]]+)\]", code)) == {"1", "a", "a + 1", "a + 2", "a + 3"}
+    assert "#ARGV" not in source
 
 
 def test_remaining_comes_back_as_strings_so_fractions_survive(script, client):
@@ -134,6 +140,25 @@ def test_a_denied_call_writes_nothing(script, client):
         assert script(("rl:denied", 10, 1, 1)).allowed == 0
     assert client.hgetall("rl:denied") == before
     assert client.pttl("rl:denied") == -1, "a denied call set an expiry"
+
+
+def test_a_denial_lengthens_a_ttl_its_limit_now_outlasts_and_leaves_a_long_enough_one(script, client):
+    """Reproduction: a reload lowered a limit from 10/second to 1/hour. A denied key kept
+    the 3 s TTL its last charge set, expired, and the client came back with a full burst
+    from Redis. A denial now keeps the key until the bucket would be full at the rate
+    it was checked at, and still writes no tokens."""
+    for _ in range(20):
+        assert script(("rl:lowered", 20, 10, 1)).allowed == 1
+    assert 0 < client.pttl("rl:lowered") <= 3000  # full from empty in 2 s, plus 1 s
+    state = held(client, "rl:lowered")
+    reply = script(("rl:lowered", 20, 1 / 3600, 1))
+    assert reply.allowed == 0
+    full_in_ms = (20 - float(reply.remaining[0])) * 3600 * 1000
+    assert full_in_ms < client.pttl("rl:lowered") <= full_in_ms + 1002  # + 1 s, rounded up
+    assert held(client, "rl:lowered") == state
+    ttl = client.pttl("rl:lowered")
+    assert script(("rl:lowered", 20, 1 / 3600, 1)).allowed == 0
+    assert client.pttl("rl:lowered") <= ttl  # long enough already: not set again
 
 
 def test_several_limits_are_checked_first_and_charged_only_if_all_allow(script, client):

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from gateway.config.model import FailurePolicy, IdentitySource, Limit
+from gateway.config.model import FailurePolicy, IdentitySource, Limit, Quota
 from gateway.config.units import parse_rate
 from gateway.limiter import bucket
 from gateway.limiter.memory_store import MemoryStore
@@ -102,6 +102,19 @@ def test_a_denied_request_charges_nothing(store, clock):
         assert not store.check_now([one(per_ip, cost=2)]).allowed
     # Had any denied request been charged, this would not fit.
     assert store.check_now([one(per_ip, cost=1)]).remaining == (0.0,)
+
+
+def test_a_denied_bucket_is_kept_until_full_at_the_rate_it_was_checked_at(store, clock):
+    """As in Redis: after a reload lowered 10/second to 1/hour, a denied bucket was dropped
+    when it would have been full at the old rate, and the client came back with a full burst."""
+    fast, slow = limit("per_ip", "10/second", 20), limit("per_ip", "1/hour", 20)
+    for _ in range(20):
+        assert store.check_now([one(fast)]).allowed
+    assert not store.check_now([one(slow)]).allowed
+    clock.advance(60)  # long past the 2 s the old rate needed
+    assert len(store) == 1
+    decision = store.check_now([one(slow)])
+    assert not decision.allowed and decision.remaining[0] == pytest.approx(60 / 3600)
 
 
 def test_cost_zero_is_allowed_on_an_empty_bucket_and_creates_nothing(store):
@@ -247,3 +260,41 @@ def test_random_traffic_matches_the_bucket_model_exactly(store, clock):
         assert got.remaining == pytest.approx(expected.remaining, abs=1e-9)
         assert got.retry_after == pytest.approx(expected.retry_after, abs=1e-9)
     assert len(store) <= len(limits) * len(identities)
+
+
+def quota_limit(name: str, limit: int, per: str, reset: float = 0.0) -> Limit:
+    return Limit(
+        name=name, rate=parse_rate(f"{limit}/day"), burst=limit, key=(IdentitySource(kind="ip"),),
+        on_store_error=FailurePolicy.OPEN, quota=Quota(limit=limit, per=per, reset=reset),
+    )
+
+
+async def test_a_quota_counts_by_the_wall_clock_and_is_forgotten_when_its_window_ends(clock):
+    """Buckets follow the monotonic clock, quota windows the wall clock: 2 a day from
+    09:00 UTC, checked at 08:59:59 on 2026-11-30, then a second later."""
+    wall = ManualClock(start=1_764_493_199.0)  # 2026-11-30 08:59:59 UTC
+    store = MemoryStore(clock=clock, wall_clock=wall)
+    daily = quota_limit("daily", 2, "day", reset=9 * 3600)
+    tokens = limit("tokens", "1/day", 5)
+    pair = [one(tokens), one(daily)]
+    first, second, third = (store.check_now(pair) for _ in range(3))
+    assert (first.allowed, second.allowed, third.allowed) == (True, True, False)
+    assert third.remaining == (3, 0) and third.retry_after == 1.0 and third.resets == (None, 1.0)
+    reading = await store.read(daily, "ip=192.0.2.1")
+    assert (reading.held, reading.tokens, reading.full_in) == (True, 0, 1.0)
+    clock.advance(1.0)
+    wall.advance(1.0)
+    assert len(store) == 1  # the quota's counter is gone with its window; the bucket stays
+    fourth = store.check_now(pair)
+    assert fourth.allowed and fourth.remaining == pytest.approx((2 + 1 / 86400, 1)) and fourth.resets == (None, 86400.0)
+
+
+def test_a_shaping_bucket_in_process_queues_and_rejects_past_its_debt(store, clock):
+    shaped = limit("shaped", "10/second", 1)
+    waits = [store.check_now([LimitCheck(shaped, "ip=192.0.2.1", 1, max_delay=0.5)]) for _ in range(7)]
+    assert [d.allowed for d in waits] == [True] * 6 + [False]
+    assert [d.wait for d in waits[:6]] == pytest.approx([0, 0.1, 0.2, 0.3, 0.4, 0.5])
+    # A check that may not wait (the worker holds max_delayed already) is rejected outright.
+    clock.advance(0.1)
+    assert not store.check_now([one(shaped)]).allowed
+    assert store.check_now([LimitCheck(shaped, "ip=192.0.2.1", 1, max_delay=0.5)]).wait == pytest.approx(0.5)

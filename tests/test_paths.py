@@ -394,7 +394,7 @@ ROUTE = "routes:\n  - match: {path: /api}\n    upstream: http://up.internal\n"
         ("path_normalization: {dot_segments: drop}\n" + ROUTE,
          "path_normalization.dot_segments: expected resolve or reject, got 'drop'"),
         ("path_normalization: {escaped_slashes: true}\n" + ROUTE,
-         "path_normalization.escaped_slashes: expected keep or reject or decode, got True"),
+         "path_normalization.escaped_slashes: expected keep, reject or decode, got True"),
         ("path_normalization: {merge_slashes: sometimes}\n" + ROUTE,
          "path_normalization.merge_slashes: expected true or false, got a string"),
         ("path_normalization: {normalize: true}\n" + ROUTE,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -301,6 +302,24 @@ async def test_connect_never_opens_a_tunnel(gw, decoy):
     assert values(headers, "Content-Type")[0].startswith("application/problem+json")
     assert json.loads(body)["status"] == 400
 
+
+@pytest.mark.parametrize("expect", ["100-continue", "Zq7"])
+async def test_connect_with_an_expectation_gets_one_400_and_its_tunnel_data_is_never_read(gw, decoy, expect):
+    """Found by the self-report fuzz: the Expect used to be answered first (a 100 Continue,
+    or a 417 on an open connection), and bytes sent after the head were then read as a
+    second request, which got an answer of its own."""
+    elsewhere, hits = decoy
+    request = (
+        f"CONNECT {elsewhere} HTTP/1.1\r\nHost: {elsewhere}\r\nExpect: {expect}\r\n\r\n"
+        "GET /echo/smuggled HTTP/1.1\r\nHost: gw\r\n\r\n"
+    ).encode()
+    reader, writer = await asyncio.open_connection(*urlsplit(gw.url)[1].split(":"))
+    writer.write(request)
+    answer = await asyncio.wait_for(reader.read(), 10)  # to the end: the gateway must close
+    writer.close()
+    assert hits == []
+    assert answer.startswith(b"HTTP/1.1 400 ") and answer.count(b"HTTP/1.") == 1, answer
+    assert b"smuggled" not in answer
 
 
 @pytest.mark.parametrize(

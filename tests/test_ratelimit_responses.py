@@ -1,11 +1,13 @@
-"""What clients see of the limits: RateLimit-Policy and RateLimit on every
-response of a limited route (draft-ietf-httpapi-ratelimit-headers, structured
-field form), describing the most restrictive limit; on 429 a Retry-After in
+"""What clients see of the limits: RateLimit-Policy (every limit of the route)
+and RateLimit (the one closest to exhaustion) on every response of a limited
+route (draft-ietf-httpapi-ratelimit-headers, structured field form), and the
+x-ratelimit and none styles built from a decision; on 429 a Retry-After in
 whole seconds (rounded up, at least 1) and a problem+json body naming the
 limit; and several limits on one request charged all or nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -13,10 +15,10 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from gateway.config.model import Limit
-from gateway.limiter.limiter import LimitStatus
+from gateway.config.model import HeaderStyle, Limit, ResponseStyle
+from gateway.limiter.limiter import LimitStatus, local_share
 from gateway.proxy.problem import ProblemTemplate, problem_body
-from gateway.proxy.ratelimit_headers import most_restrictive, policy, ratelimit_headers, retry_after_seconds
+from gateway.proxy.ratelimit_headers import RateLimitFields, most_restrictive, retry_after_seconds
 from gateway.testing import config_from_yaml, running_gateway
 
 LIMITS = """
@@ -90,15 +92,15 @@ async def test_a_cost_is_charged_and_reported(gw, client):
     assert headers["RateLimit"] == '"per_client";r=15;t=3'
 
 
-async def test_the_fields_describe_the_most_restrictive_of_two_limits(gw, client):
+async def test_both_limits_are_advertised_and_ratelimit_names_the_closer_to_exhaustion(gw, client):
     for remaining in (2, 1, 0):
         status, headers, _ = await get(client, gw.url + "/double/echo")
         assert status == 200
-        assert headers["RateLimit-Policy"] == '"tight";q=3;w=18'
+        assert headers["RateLimit-Policy"] == '"per_client";q=20;w=12, "tight";q=3;w=18'
         assert headers["RateLimit"].startswith(f'"tight";r={remaining};t=')
     status, headers, body = await get(client, gw.url + "/double/echo")
     assert status == 429
-    assert headers["RateLimit-Policy"] == '"tight";q=3;w=18'
+    assert headers.getall("RateLimit-Policy") == ['"per_client";q=20;w=12, "tight";q=3;w=18']
     assert headers["RateLimit"].startswith('"tight";r=0;t=')
     problem = json.loads(body)
     assert problem["limits"] == ["tight"]
@@ -148,7 +150,8 @@ async def test_several_limits_are_all_or_nothing(gw, client):
     status, headers, body = await combo("k4", "192.0.2.1")
     assert status == 429
     assert json.loads(body)["limits"] == ["per_ip3"]
-    assert headers["RateLimit-Policy"] == '"per_ip3";q=3;w=10800'
+    assert headers["RateLimit-Policy"] == '"per_key";q=1;w=3600, "per_ip3";q=3;w=10800'
+    assert headers["RateLimit"].startswith('"per_ip3";r=0;')
     # per_ip3 denied k4, so k4's own bucket was not charged: from another address it passes.
     assert (await combo("k4", "192.0.2.2"))[0] == 200
 
@@ -161,9 +164,15 @@ def limits_by_name() -> dict[str, Limit]:
     return {limit.name: limit for limit in config.limits}
 
 
-def headers_for(*statuses: LimitStatus) -> dict[str, str]:
-    """The fields for `statuses`, with each limit's policy compiled as the route plan does."""
-    return ratelimit_headers(statuses, [policy(status.limit) for status in statuses])
+def headers_for(*statuses: LimitStatus, divisor: int = 1) -> dict[str, str]:
+    """The fields for `statuses`, compiled as the route plan compiles them, each limit's
+    local stand-in a 1/`divisor` share."""
+    fields = RateLimitFields.of([(s.limit, local_share(s.limit, divisor, s.cost)) for s in statuses])
+    return fields.headers(statuses)
+
+
+def styled(limit: Limit, headers: HeaderStyle) -> Limit:
+    return dataclasses.replace(limit, response=ResponseStyle(headers=headers))
 
 
 @pytest.mark.parametrize(
@@ -186,16 +195,66 @@ def test_the_most_restrictive_limit_counts_requests_left_not_tokens():
     limits = limits_by_name()
     big_cost = LimitStatus(limit=limits["per_client"], cost=5, remaining=10.0, outcome="allow")  # 2 requests left
     small_cost = LimitStatus(limit=limits["tight"], cost=1, remaining=3.0, outcome="allow")  # 3 requests left
-    assert most_restrictive([small_cost, big_cost]) == 1
-    assert headers_for(small_cost, big_cost)["RateLimit-Policy"] == '"per_client";q=20;w=12'
+    fields = RateLimitFields.of([(limits["tight"], limits["tight"]), (limits["per_client"], limits["per_client"])])
+    assert most_restrictive([small_cost, big_cost], fields.ietf) is fields.ietf[1]
+    assert headers_for(small_cost, big_cost) == {
+        "RateLimit-Policy": '"tight";q=3;w=18, "per_client";q=20;w=12',
+        "RateLimit": '"per_client";r=10;t=6',
+    }
 
 
-def test_limits_with_unknown_remaining_are_not_described():
+def test_a_limit_with_unknown_remaining_is_advertised_but_never_named_in_ratelimit():
     limits = limits_by_name()
     unknown = LimitStatus(limit=limits["tight"], cost=1, remaining=None, outcome="fail_open")
-    known = LimitStatus(limit=limits["per_client"], cost=1, remaining=5.0, outcome="fail_local")
-    assert headers_for(unknown) == {}
-    assert headers_for(unknown, known)["RateLimit"].startswith('"per_client";r=5;')
+    known = LimitStatus(limit=limits["per_client"], cost=1, remaining=5.0, outcome="allow")
+    assert headers_for(unknown) == {}  # no store decided: no fields at all
+    assert headers_for(unknown, known) == {
+        "RateLimit-Policy": '"tight";q=3;w=18, "per_client";q=20;w=12',
+        "RateLimit": '"per_client";r=5;t=9',
+    }
+
+
+def test_a_limit_decided_locally_is_described_by_the_local_share_actually_applied():
+    limits = limits_by_name()  # per_client: 100/minute, burst 20; a quarter is 25/minute, burst 5
+    local = LimitStatus(limit=limits["per_client"], cost=1, remaining=2.0, outcome="fail_local")
+    tight = LimitStatus(limit=limits["tight"], cost=1, remaining=3.0, outcome="allow")
+    assert headers_for(local, tight, divisor=4) == {
+        "RateLimit-Policy": '"per_client";q=5;w=12, "tight";q=3;w=18',
+        # 2 of the local 5 left, full in 3 / (25/60) = 7.2 s; the global bucket would take 43 s.
+        "RateLimit": '"per_client";r=2;t=8',
+    }
+    # Beside a fail-closed limit no local bucket decided: the global quota is shown.
+    closed = dataclasses.replace(local, remaining=None)
+    assert headers_for(closed, tight, divisor=4)["RateLimit-Policy"] == '"per_client";q=20;w=12, "tight";q=3;w=18'
+
+
+def test_x_ratelimit_fields_describe_the_limit_closest_to_exhaustion_with_reset_in_seconds():
+    limits = limits_by_name()
+    per_client = styled(limits["per_client"], HeaderStyle.X_RATELIMIT)
+    tight = styled(limits["tight"], HeaderStyle.X_RATELIMIT)
+    headers = headers_for(
+        LimitStatus(limit=per_client, cost=1, remaining=18.7, outcome="allow"),
+        LimitStatus(limit=tight, cost=1, remaining=0.5, outcome="deny"),
+    )
+    # tight: 10/minute, 2.5 tokens short of its burst of 3: full in 15 s.
+    assert headers == {"X-RateLimit-Limit": "3", "X-RateLimit-Remaining": "0", "X-RateLimit-Reset": "15"}
+
+
+def test_each_limit_is_advertised_in_its_own_style_and_none_not_at_all():
+    limits = limits_by_name()
+    statuses = (
+        LimitStatus(limit=limits["per_client"], cost=1, remaining=19.0, outcome="allow"),
+        LimitStatus(limit=styled(limits["tight"], HeaderStyle.X_RATELIMIT), cost=1, remaining=2.0, outcome="allow"),
+        LimitStatus(limit=styled(limits["hourly"], HeaderStyle.NONE), cost=1, remaining=0.0, outcome="allow"),
+    )
+    assert headers_for(*statuses) == {
+        "RateLimit-Policy": '"per_client";q=20;w=12',
+        "RateLimit": '"per_client";r=19;t=1',
+        "X-RateLimit-Limit": "3",
+        "X-RateLimit-Remaining": "2",
+        "X-RateLimit-Reset": "6",
+    }
+    assert headers_for(statuses[2]) == {}
 
 
 def test_a_problem_template_fills_its_blank_as_a_body_made_whole_would_read():

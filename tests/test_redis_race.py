@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 
 import aiohttp
 import redis.asyncio
 
 from tests.examples import ONE_REDIS_LIMIT
 from tests.scrape import settled_decisions
-from tests.processes import GatewayProcess
+from tests.processes import gateway_fleet
 
 GATEWAYS = 4
 REQUESTS = 400
@@ -39,11 +38,7 @@ async def naive_take_one(client: redis.asyncio.Redis, key: str, capacity: float,
 
 async def test_four_gateways_let_exactly_the_burst_through_and_a_naive_client_does_not(dedicated_redis, upstream):
     config = ONE_REDIS_LIMIT.format(url=dedicated_redis.url, name="per_client", rate="1/day", burst=BURST, upstream=upstream)
-    gateways = [GatewayProcess(config) for _ in range(GATEWAYS)]
-    with contextlib.ExitStack() as stack:
-        for gateway in gateways:
-            stack.callback(gateway.__exit__, None, None, None)
-        await asyncio.gather(*(asyncio.to_thread(gateway.start) for gateway in gateways))
+    with gateway_fleet(config, GATEWAYS) as gateways:
 
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as http:

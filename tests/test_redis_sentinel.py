@@ -5,38 +5,15 @@ processes; the gateway as users start it in tests."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import aiohttp
-import pytest
 
 from gateway.limiter.circuit_breaker import BREAKER_COOLDOWN
 from gateway.limiter.redis_connection import RECONNECT_BACKOFF_MAX
 from gateway.testing import running_gateway
-from tests.processes import RedisServer, SentinelServer, eventually, wait_until
+from tests.processes import SentinelServer, eventually, wait_until
 from tests.test_redis_failures import gateway_yaml, get
-
-
-@pytest.fixture
-def sentinel_group():
-    """(master, replica, sentinels), the replica known to every sentinel."""
-    with contextlib.ExitStack() as stack:
-        # No 5 s wait before the replica's first sync (Redis's default for diskless sync).
-        master = stack.enter_context(RedisServer("--repl-diskless-sync-delay", "0"))
-        replica = stack.enter_context(RedisServer("--replicaof", "127.0.0.1", str(master.port)))
-        sentinels = [stack.enter_context(SentinelServer(master.port)) for _ in range(3)]
-
-        def replica_known() -> bool:
-            if replica.client().info("replication").get("master_link_status") != "up":
-                return False  # not synced yet: a failover now would lose everything
-            return all(
-                any(r["port"] == replica.port and "s_down" not in r["flags"] for r in s.client().sentinel_slaves("mymaster"))
-                for s in sentinels
-            ) and all(len(s.client().sentinel_sentinels("mymaster")) == 2 for s in sentinels)
-
-        wait_until(replica_known, deadline=20, what="the sentinels to know the replica and each other")
-        yield master, replica, sentinels
 
 
 def sentinel_url(sentinels: list[SentinelServer]) -> str:

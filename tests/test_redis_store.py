@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import re
 import subprocess
 import tempfile
@@ -19,9 +20,13 @@ import pytest
 import redis
 import redis.asyncio
 from redis.crc import key_slot
+import trustme
 
+from gateway.config.model import StoreConfig
 from gateway.limiter.keys import identity_digest
-from gateway.testing import running_gateway
+from gateway.limiter.redis_store import ARGS_CACHE_ENTRIES, RedisStore
+from gateway.limiter.store import LimitCheck
+from gateway.testing import config_from_yaml, running_gateway
 from tests.processes import RedisServer, eventually, free_port, wait_until
 
 SECRET_KEY = "rl:identity-secret"
@@ -436,3 +441,42 @@ async def test_rediss_url_speaks_tls_and_verifies_the_server(tls_redis, tls_file
             assert response.status == 200
             assert response.headers["RateLimit"] == '"per_client";r=48;t=172800'
     assert len(bucket_keys(server.client())) == 1
+
+
+async def test_each_reloads_new_limits_are_charged_as_configured_and_old_ones_are_not_kept_forever(redis_server):
+    """A reload makes new limit objects, whose script arguments the store formats once each.
+    Through more limit objects than ARGS_CACHE_ENTRIES, each is charged at its own burst, and
+    the cache of formatted arguments starts over rather than keep every reload's limits alive."""
+    base = config_from_yaml(
+        "limits:\n  per_client: {rate: 1/day, burst: 5, key: header:X-API-Key}\n"
+        "routes:\n  - match: {path: /}\n    upstream: http://127.0.0.1:1\n    limits: [per_client]\n"
+    ).limits[0]
+    store = RedisStore(
+        StoreConfig(url=redis_server.url, timeout=1.0, prefix="rl:", local_divisor=1, max_pending=4096, key_secret="s" * 32)
+    )
+    await store.start()
+    try:
+        for reload in range(ARGS_CACHE_ENTRIES + 100):
+            limit = dataclasses.replace(base, burst=1 + reload % 50)  # what a reload's loader makes
+            decision = await store.check([LimitCheck(limit=limit, identity=f"client-{reload}", cost=1)])
+            assert decision.allowed and decision.remaining == (limit.burst - 1,)
+        assert len(store._args_cache) <= ARGS_CACHE_ENTRIES
+    finally:
+        await store.close()
+
+
+async def test_a_rediss_server_another_ca_signed_fails_per_policy_and_readyz_says_why(tls_redis, upstream, tmp_path):
+    _, tls_port = tls_redis
+    other_ca = tmp_path / "other-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(other_ca))
+    config = gateway_yaml(f"rediss://127.0.0.1:{tls_port}/0", upstream, ACL_LIMITS, "[per_client]").replace(
+        "  timeout: 2s\n", f"  timeout: 2s\n  tls_ca_file: {other_ca}\n"
+    )
+    async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
+        async with http.get(gw.url + "/a", headers={"X-API-Key": "k"}) as response:
+            assert response.status == 503  # per_client fails closed
+        async with http.get(gw.admin_url + "/readyz") as response:
+            body = await response.json()
+            assert response.status == 503
+    assert body["store_state"] == "unreachable"
+    assert "cannot connect: [SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed" in body["detail"], body

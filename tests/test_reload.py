@@ -4,6 +4,7 @@ draining, and `gateway check` into a closed pipe. Each test runs the gateway as 
 user does, against real upstreams and a real redis-server."""
 
 import asyncio
+import gc
 import signal
 import subprocess
 import sys
@@ -12,8 +13,11 @@ from pathlib import Path
 
 import aiohttp
 
+from gateway.config import load_config
+from gateway.testing import running_gateway
 from tests.processes import GatewayProcess, RedisServer, eventually, free_port
 from tests.test_cli import DEADLINE, metric
+from tests.upstream import running_upstream
 
 RELOADED = "config reloaded from"
 
@@ -75,6 +79,18 @@ async def test_sighup_reloads_a_changed_limit_and_the_process_keeps_serving(upst
                 assert [limit["name"] for limit in (await response.json())["limits"]] == ["per_client"]
 
 
+async def test_a_reload_names_the_settings_that_wait_for_a_restart_by_their_yaml_keys(upstream):
+    """The warning named the config's attributes ("clients", "admin_token", "listen_tls"),
+    which no one can find in their file; it names the keys they wrote."""
+    restart_only = "admin_token_env: GW_RELOAD_TOKEN\nkeepalive_timeout: 30s\nmax_header_size: 64KiB\n"
+    with GatewayProcess(limited_yaml(upstream, burst=2), env={"GW_RELOAD_TOKEN": "t" * 20}) as gw:
+        await reload_with(gw, limited_yaml(upstream, burst=2, extra=restart_only), "only at restart")
+        warned = [line for line in gw.stderr_lines if "only at restart" in line]
+        assert warned[0].rstrip().endswith(
+            "changed settings that take effect only at restart: admin_token_env, keepalive_timeout, max_header_size"
+        ), warned
+
+
 async def test_a_bad_config_on_sighup_keeps_the_old_one_logs_one_line_and_counts_a_failure(upstream):
     with GatewayProcess(limited_yaml(upstream, burst=2)) as gw:
         async with aiohttp.ClientSession() as client:
@@ -99,6 +115,66 @@ async def test_an_unchanged_limit_keeps_its_bucket_across_a_reload(upstream):
             await reload_with(gw, limited_yaml(upstream, burst=2, second_route=True), RELOADED)
             assert await status(client, gw.url + "/echo/other") == 200  # the new route serves
             assert await status(client, gw.url + "/echo") == 429  # the unchanged limit's bucket is still empty
+
+
+def reload_config(upstream: str, redis_url: str, *, denied_burst: int = 1, leased_burst: int = 100, extra_route: bool = False) -> str:
+    other = f"  - match: {{path: /other}}\n    upstream: {upstream}\n" if extra_route else ""
+    return f"""
+store: {{url: '{redis_url}'}}
+limits:
+  denied: {{rate: 1/hour, burst: {denied_burst}, key: header:X-API-Key}}
+  leased: {{rate: 1/hour, burst: {leased_burst}, key: [], lease: 10}}
+routes:
+{other}  - match: {{path: /denied}}
+    upstream: {upstream}
+    limits: [denied]
+  - match: {{path: /leased}}
+    upstream: {upstream}
+    limits: [leased]
+"""
+
+
+async def test_an_unchanged_limit_keeps_its_cached_denials_and_unspent_leases_across_a_reload(
+    upstream, dedicated_redis, tmp_path
+):
+    """Reproduction: every reload made new limit objects, and the denial cache and the token
+    leases matched limits by identity, so a reload that changed nothing they used (here, a
+    route added) sent the next denied request back to Redis and lapsed every unspent lease.
+    A limit the reload changed starts afresh in both. Script calls counted by Redis."""
+    path = tmp_path / "gateway.yaml"
+    redis = dedicated_redis.client()
+
+    def script_calls() -> int:
+        return redis.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+
+    path.write_text(reload_config(upstream, dedicated_redis.url))
+    async with running_gateway(load_config(str(path))) as gw, aiohttp.ClientSession() as client:
+        key = {"X-API-Key": "k"}
+
+        async def statuses(route: str, n: int) -> list[int]:
+            found = []
+            for _ in range(n):
+                async with client.get(gw.url + route, headers=key) as response:
+                    found.append(response.status)
+            return found
+
+        assert await statuses("/denied", 2) == [200, 429]
+        assert await statuses("/leased", 1) == [200]  # ten leased, one spent
+        assert len(gw.gateway.limiter.denials) == 1
+        calls = script_calls()
+
+        path.write_text(reload_config(upstream, dedicated_redis.url, extra_route=True))
+        assert gw.gateway.reload()
+        assert await statuses("/denied", 3) == [429] * 3
+        assert await statuses("/leased", 9) == [200] * 9
+        assert script_calls() == calls  # all answered from this process's state
+
+        path.write_text(reload_config(upstream, dedicated_redis.url, denied_burst=2, leased_burst=101, extra_route=True))
+        assert gw.gateway.reload()
+        assert await statuses("/denied", 1) == [429]  # the bucket keeps its 0 tokens, but Redis says so
+        assert script_calls() == calls + 1
+        assert await statuses("/leased", 1) == [200]  # a fresh lease of the changed limit
+        assert script_calls() == calls + 2
 
 
 async def test_a_request_in_flight_finishes_on_the_config_it_started_with(upstream):
@@ -131,6 +207,35 @@ async def test_every_worker_reloads_on_sighup(upstream, redis_server):
         for _ in range(10):
             async with aiohttp.ClientSession() as fresh:
                 assert await status(fresh, gw.url + "/echo/other") == 200
+
+
+async def test_with_workers_a_bad_file_is_refused_once_and_watch_reloads_every_worker(upstream, redis_server):
+    # The supervisor checks each reload for its workers: a bad file is one log line and one
+    # count, not one per worker, whether a SIGHUP or an edit (--watch) brought it.
+    listen = {
+        "extra": f"workers: 2\nstore: {{url: '{redis_server.url}'}}\n",
+        "listen": f"127.0.0.1:{free_port()}",
+        "admin": f"127.0.0.1:{free_port()}",
+    }
+    failed = "config reload failed, the old config serves on"
+    with GatewayProcess(limited_yaml(upstream, burst=1, **listen), args=("--watch",)) as gw:
+        await eventually(lambda: count(gw, "listening on") == 2, what="both workers to listen")
+        gw.config_path.write_text("routes: [{match: {path: /}, upstream: 'not a url'}]\n")
+        await eventually(lambda: count(gw, failed) == 1, what="the bad edit to be refused")
+        gw.signal(signal.SIGHUP)
+        await eventually(lambda: count(gw, failed) == 2, what="the bad file to be refused again")
+        await asyncio.sleep(1)  # time for any worker's own line
+        assert count(gw, failed) == 2 and count(gw, RELOADED) == 0
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as client:
+            for _ in range(4):  # whichever worker answers sums every process's count
+                assert await metric(client, gw.admin_url, "gateway_config_reload_failures_total") == 2
+            assert await status(client, gw.url + "/echo/other") == 200  # the old config: the limited catch-all
+            gw.config_path.write_text(limited_yaml(upstream, burst=1, second_route=True, **listen))
+            await eventually(lambda: count(gw, RELOADED) == 2, what="both workers to reload the edit")
+            for _ in range(6):
+                assert await status(client, gw.url + "/echo/other") == 200
+            assert await metric(client, gw.admin_url, "gateway_config_reload_failures_total") == 2
+        assert gw.stop() == 0
 
 
 async def test_watch_reloads_when_the_file_changes(upstream):
@@ -215,10 +320,18 @@ async def test_a_store_that_refuses_our_password_is_not_ready_and_the_log_says_w
     with RedisServer("--requirepass", "right-password", password="right-password") as redis:
         with GatewayProcess(limited_yaml(upstream, burst=5, extra=wrong_password_store(redis))) as gw:
             async with aiohttp.ClientSession() as client:
-                async with client.get(gw.admin_url + "/readyz") as response:
-                    body = await response.json()
-                    assert response.status == 503, body
-            assert body["store_state"] == "refused", body
+                seen = []
+
+                async def refused() -> bool:
+                    # Each /readyz pings the store at the 10 ms timeout; on a busy machine one
+                    # ping can time out ("unreachable") before Redis answers WRONGPASS.
+                    async with client.get(gw.admin_url + "/readyz") as response:
+                        seen.append((response.status, await response.json()))
+                    return seen[-1][1]["store_state"] == "refused"
+
+                await eventually(refused, what="/readyz to report the refusal")
+            status, body = seen[-1]
+            assert status == 503 and all(s == 503 for s, _ in seen), seen
             assert "WRONGPASS" in body["detail"], body
             assert count(gw, "store refuses the gateway") == 1, gw.stderr_lines
             assert not any("Traceback" in line for line in gw.stderr_lines)
@@ -235,3 +348,45 @@ def test_store_required_refuses_to_start_while_the_store_is_unreachable(tmp_path
     errors = [line for line in result.stderr.splitlines() if line.startswith("gateway:")]
     assert len(errors) == 1 and "store.required" in errors[0] and "WRONGPASS" in errors[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def open_client_sessions() -> int:
+    return sum(isinstance(o, aiohttp.ClientSession) and not o.closed for o in gc.get_objects())
+
+
+def changing_pool_yaml(kept: str, i: int, held: str | None = None) -> str:
+    """A pool of `kept` and a target that every reload replaces (a deploy's new host), and
+    while `held` is given, a route /held to it."""
+    route = f"  - match: {{path: /held}}\n    upstream: {held}\n" if held else ""
+    return (
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nroutes:\n" + route
+        + f"  - match: {{path: /}}\n    upstream:\n      targets: [{kept}, http://127.0.0.1:{10000 + i}]\n"
+    )
+
+
+async def test_reloads_that_replace_pool_targets_close_the_dropped_targets_sessions(upstream, tmp_path):
+    """Reproduction: a reload opened a session (its connector, its slots) for each new
+    upstream and never closed one no config named any more, so 200 reloads that each
+    replaced one pool target left 403 sessions open. A request in flight on a dropped
+    upstream still finishes on its session, which closes once no such request is left."""
+    path = tmp_path / "gateway.yaml"
+    async with running_upstream() as kept:
+        path.write_text(changing_pool_yaml(kept, 0, held=upstream))
+        async with running_gateway(load_config(str(path))) as gw, aiohttp.ClientSession() as client:
+            before = open_client_sessions()
+            held = asyncio.create_task(status(client, gw.url + "/held"))
+
+            async def arrived() -> bool:
+                async with client.get(upstream + "/held/arrived") as response:
+                    return (await response.json())["arrived"] == 1
+
+            await eventually(arrived, what="the request to reach the held upstream")
+            for i in range(1, 51):
+                path.write_text(changing_pool_yaml(kept, i))
+                assert gw.gateway.reload()
+            async with client.post(upstream + "/held/release"):
+                pass
+            assert await asyncio.wait_for(held, DEADLINE) == 200
+            assert await status(client, gw.url + "/echo") == 200
+            # Two sessions for the two targets of the last config; /held's upstream and 50 replaced targets closed.
+            await eventually(lambda: open_client_sessions() == before - 1, what="the dropped upstreams' sessions to close")

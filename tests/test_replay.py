@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import os
 import time
 from pathlib import Path
 
 import aiohttp
 
-from tests.processes import GatewayProcess
+from tests.processes import gateway_fleet
 from tests.replay_script import LOG_SUFFIX, Decision, replay
 from tests.scrape import settled_decisions
 
@@ -86,11 +85,7 @@ async def flood(urls: list[str], seconds: float) -> collections.Counter[int]:
 async def test_eight_gateways_decide_exactly_as_the_model_replaying_redis_order(dedicated_redis, upstream):
     config = CONFIG.format(url=dedicated_redis.url, rate=RATE, burst=BURST, upstream=upstream)
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    gateways = [GatewayProcess(config, module="tests.instrumented_gateway", env=env) for _ in range(GATEWAYS)]
-    with contextlib.ExitStack() as stack:
-        for gateway in gateways:
-            stack.callback(gateway.__exit__, None, None, None)
-        await asyncio.gather(*(asyncio.to_thread(gateway.start) for gateway in gateways))
+    with gateway_fleet(config, GATEWAYS, module="tests.instrumented_gateway", env=env) as gateways:
         statuses = await flood([gateway.url for gateway in gateways], LOAD_SECONDS)
         async with aiohttp.ClientSession() as http:
             counts = [await settled_decisions(http, gateway.admin_url) for gateway in gateways]

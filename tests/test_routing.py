@@ -7,12 +7,17 @@ RateLimit-Policy) or by the path the echo upstream saw."""
 
 from __future__ import annotations
 
+import time
+
 import aiohttp
 import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from gateway.proxy.routing import Router
+from gateway.proxy.routing import Router, covers, shadowed
 from gateway.testing import config_from_yaml, running_gateway
+from tests.processes import GatewayProcess
+from tests.raw_client import raw_exchange, request_bytes
 
 # --- pure: Router ---------------------------------------------
 
@@ -80,7 +85,9 @@ def test_router_takes_the_first_route_that_fits(method, host, path, upstream):
     assert upstream_for(method, host, path) == upstream
 
 
-def test_no_route_is_ever_reached_after_a_catch_all():
+def test_no_route_is_ever_reached_after_a_catch_all_and_check_names_it():
+    """A shadowed route loads (first match in file order stays the rule); `shadowed` names
+    it, and `gateway check` warns with that (tests/test_cli.py)."""
     config = config_from_yaml(
         """
 routes:
@@ -91,6 +98,7 @@ routes:
 """
     )
     assert Router(config.routes).find("GET", "gw", "/api/x").upstream == "http://first.internal"
+    assert shadowed(config.routes) == [(1, 0)]
 
 
 # --- through the gateway ----------------------------------------------------------------
@@ -103,7 +111,6 @@ limits:
   reports_post: {{rate: 1/hour, burst: 1}}
   by_host: {{rate: 1000/minute}}
   api: {{rate: 1000/minute}}
-  reports_get: {{rate: 1000/minute}}
   svc: {{rate: 1000/minute}}
   rest: {{rate: 1000/minute}}
 routes:
@@ -116,9 +123,6 @@ routes:
   - match: {{path: /api}}
     upstream: {upstream}
     limits: [api]
-  - match: {{path: /api/reports}}
-    upstream: {upstream}
-    limits: [reports_get]
   - match: {{path: /svc}}
     upstream: {upstream}
     strip_prefix: true
@@ -218,3 +222,260 @@ async def test_without_strip_prefix_the_path_is_forwarded_as_sent(gw, client):
     async with client.get(URL(gw.url + "/api/echo/a%2Fb?q=%20", encoded=True)) as response:
         assert policy_name(response) == "api"
         assert (await response.json())["path"] == "/api/echo/a%2Fb?q=%20"
+
+
+# --- exact, regex, host wildcards, header and query conditions (issue 11 §3) -------------
+
+FORMS_CONFIG = """
+routes:
+  - match: {exact: /api/health}
+    upstream: http://exact.internal
+  - match: {regex: "/api/v[0-9]+/users/[^/]+"}
+    upstream: http://regex.internal
+  - match: {regex: "/files/.*\\\\.JSON", case_sensitive: false}
+    upstream: http://regex-nocase.internal
+  - match: {path: /api, host: "*.example.com"}
+    upstream: http://wildcard.internal
+  - match: {path: /api, headers: {X-Version: "2", X-Beta: {present: true}}}
+    upstream: http://v2-beta.internal
+  - match: {path: /api, headers: {X-Version: {regex: "3\\\\..*"}, X-Legacy: {present: false}}}
+    upstream: http://v3.internal
+  - match: {path: /api, query: {debug: "1"}}
+    upstream: http://debug.internal
+  - match: {path: /api, query: {trace: {present: true}, mode: {regex: "a|b"}}}
+    upstream: http://trace.internal
+  - match: {path: /}
+    upstream: http://rest.internal
+"""
+
+
+def found(path: str, *, host: str = "gw", headers: dict | list | None = None, target: str = "/") -> str | None:
+    router = Router(config_from_yaml(FORMS_CONFIG).routes)
+    route = router.find("GET", host, path, CIMultiDictProxy(CIMultiDict(headers or {})), URL(target))
+    return route.upstream.removeprefix("http://").removesuffix(".internal") if route else None
+
+
+@pytest.mark.parametrize(
+    ("path", "upstream"),
+    [
+        ("/api/health", "exact"),
+        ("/api/health/", "rest"),  # exact is exact: no trailing slash, no segment below
+        ("/api/health/x", "rest"),
+        ("/api/healthz", "rest"),
+        ("/API/health", "rest"),
+        ("/api/v2/users/ann", "regex"),
+        ("/api/v10/users/ann", "regex"),
+        ("/api/v2/users/ann/orders", "rest"),  # a regex matches the whole path, never a prefix of it
+        ("/x/api/v2/users/ann", "rest"),
+        ("/api/vx/users/ann", "rest"),
+        ("/files/a/b.json", "regex-nocase"),
+        ("/FILES/a/B.Json", "regex-nocase"),
+        ("/files/a/b.jsonx", "rest"),
+    ],
+)
+def test_exact_and_regex_paths(path, upstream):
+    assert found(path) == upstream
+
+
+@pytest.mark.parametrize(
+    ("host", "upstream"),
+    [
+        ("a.example.com", "wildcard"),
+        ("a.b.example.com", "wildcard"),  # one or more labels, as Envoy and nginx
+        ("example.com", "rest"),  # never the bare domain
+        ("aexample.com", "rest"),
+        ("a.example.com.evil", "rest"),
+    ],
+)
+def test_a_host_wildcard_takes_one_or_more_labels_under_its_domain(host, upstream):
+    assert found("/api/x", host=host) == upstream
+
+
+@pytest.mark.parametrize(
+    ("headers", "upstream"),
+    [
+        ({"X-Version": "2", "X-Beta": ""}, "v2-beta"),  # present, even empty
+        ({"x-version": "2", "x-beta": "yes"}, "v2-beta"),  # names ignore case
+        ({"X-Version": "2"}, "rest"),  # every condition must hold
+        ({"X-Version": "20", "X-Beta": "1"}, "rest"),  # exact is exact
+        ([("X-Version", "2"), ("X-Version", "2"), ("X-Beta", "1")], "rest"),  # lines join as "2, 2"
+        ({"X-Version": "3.1"}, "v3"),
+        ({"X-Version": "3.1", "X-Legacy": "1"}, "rest"),  # present: false means absent
+        ({"X-Version": "31"}, "rest"),
+        ({"X-Version": "x3.1"}, "rest"),  # a regex matches the whole value
+    ],
+)
+def test_header_conditions(headers, upstream):
+    assert found("/api/x", headers=headers) == upstream
+
+
+@pytest.mark.parametrize(
+    ("target", "upstream"),
+    [
+        ("/api/x?debug=1", "debug"),
+        ("/api/x?debug=%31", "debug"),  # values are compared decoded
+        ("/api/x?debug=1&debug=2", "debug"),  # the first value
+        ("/api/x?debug=2&debug=1", "rest"),
+        ("/api/x?debug", "rest"),
+        ("/api/x?trace&mode=a", "trace"),
+        ("/api/x?trace=&mode=b", "trace"),
+        ("/api/x?trace&mode=ab", "rest"),
+        ("/api/x?mode=a", "rest"),
+    ],
+)
+def test_query_conditions(target, upstream):
+    assert found("/api/x", target=target) == upstream
+
+
+def test_a_hostile_input_to_a_backtracking_pattern_is_answered_at_once():
+    """(a+)+$ takes Python's re minutes on 30 characters; RE2 is linear in the input."""
+    config = config_from_yaml(
+        """
+routes:
+  - match: {regex: "/(a+)+b", headers: {X-A: {regex: "(x+x+)+y"}}}
+    upstream: http://regex.internal
+"""
+    )
+    router = Router(config.routes)
+    hostile_path = "/" + "a" * 20_000
+    started = time.perf_counter()
+    assert router.find("GET", "gw", hostile_path) is None
+    assert router.find("GET", "gw", "/aab", CIMultiDictProxy(CIMultiDict({"X-A": "x" * 20_000}))) is None
+    assert router.find("GET", "gw", "/aab", CIMultiDictProxy(CIMultiDict({"X-A": "xxy"}))) is not None
+    assert time.perf_counter() - started < 0.5
+
+
+# --- shadowing (gateway check's warning) --------------------------------------------------
+
+
+def match_of(spec: str):
+    return config_from_yaml(f"routes:\n  - match: {spec}\n    upstream: http://u.internal\n").routes[0].match
+
+
+@pytest.mark.parametrize(
+    ("earlier", "later", "shadows"),
+    [
+        ("{path: /}", "{regex: '/x.*', headers: {X-A: '1'}}", True),
+        ("{path: /api}", "{path: /api/reports}", True),
+        ("{path: /api}", "{path: /api}", True),
+        ("{path: /api}", "{path: /apix}", False),
+        ("{path: /api/reports}", "{path: /api}", False),
+        ("{path: /api}", "{exact: /api/x}", True),
+        ("{path: /api}", "{regex: '/api/.*'}", False),  # not certain, so not reported
+        ("{path: /api, methods: [GET]}", "{path: /api/x}", False),
+        ("{path: /api, methods: [GET, POST]}", "{path: /api/x, methods: [GET]}", True),
+        ("{path: /api}", "{path: /api/x, methods: [GET], host: a.example.com}", True),
+        ("{path: /api, host: a.example.com}", "{path: /api/x}", False),
+        ("{path: /api, host: '*.example.com'}", "{path: /api, host: a.example.com}", True),
+        ("{path: /api, host: '*.example.com'}", "{path: /api, host: '*.b.example.com'}", True),
+        ("{path: /api, host: '*.example.com'}", "{path: /api, host: example.com}", False),
+        ("{path: /api, headers: {X-A: '1'}}", "{path: /api}", False),
+        ("{path: /api, headers: {X-A: '1'}}", "{path: /api/x, headers: {X-A: '1', X-B: '2'}}", True),
+        ("{path: /api, query: {q: {present: true}}}", "{path: /api, query: {q: '1'}}", False),  # implied, but not reported
+        ("{path: /api}", "{path: /API/x, case_sensitive: false}", False),
+        ("{path: /API, case_sensitive: false}", "{path: /api/x}", True),
+        ("{exact: /a}", "{exact: /a}", True),
+        ("{exact: /a}", "{exact: /a/}", False),
+        ("{regex: '/a/[0-9]+'}", "{exact: /a/42}", True),
+        ("{regex: '/a/[0-9]+'}", "{exact: /a/x}", False),
+        ("{regex: '/a/[0-9]+'}", "{regex: '/a/[0-9]+'}", True),
+        ("{regex: '/a/[0-9]+'}", "{path: /a}", False),
+    ],
+)
+def test_covers_reports_only_certain_shadowing(earlier, later, shadows):
+    assert covers(match_of(earlier), match_of(later)) is shadows
+
+
+def test_shadowed_names_each_unreachable_route_once_with_the_first_route_that_hides_it():
+    routes = config_from_yaml(ROUTER_CONFIG).routes
+    assert shadowed(routes) == [(3, 2)]  # /api/reports after /api/
+
+
+# --- the same, through the gateway ----------------------------------------------------------
+
+
+def forms_through_gateway(upstream: str) -> str:
+    """Each route applies its own limit, so RateLimit-Policy names the route taken."""
+    routes = [
+        ("exact", "{exact: /echo/health}"),
+        ("regex", "{regex: '/echo/v[0-9]+/users/[^/]+'}"),
+        ("wildcard", "{path: /echo, host: '*.example.com'}"),
+        ("header", "{path: /echo, headers: {X-Version: '2', X-Beta: {present: true}}}"),
+        ("header_regex", "{path: /echo, headers: {X-Version: {regex: '3\\..*'}}}"),
+        ("query", "{path: /echo, query: {debug: '1'}}"),
+        ("absent", "{path: /echo, headers: {X-Legacy: {present: false}}}"),
+        ("rest", "{path: /}"),
+    ]
+    limits = "".join(f"  {name}: {{rate: 1000/minute}}\n" for name, _ in routes)
+    listed = "".join(f"  - match: {spec}\n    upstream: {upstream}\n    limits: [{name}]\n" for name, spec in routes)
+    return f"limits:\n{limits}routes:\n{listed}"
+
+
+@pytest.fixture
+async def forms_gw(upstream):
+    async with running_gateway(forms_through_gateway(upstream)) as gateway:
+        yield gateway
+
+
+@pytest.mark.parametrize(
+    ("target", "headers", "route"),
+    [
+        ("/echo/health", {}, "exact"),
+        ("/echo/health", {"X-Legacy": "1"}, "exact"),
+        ("/echo/health/", {"X-Legacy": "1"}, "rest"),
+        ("/echo/v2/users/ann", {"X-Legacy": "1"}, "regex"),
+        ("/echo/v2/users/ann/x", {"X-Legacy": "1"}, "rest"),
+        ("/echo/x", {"Host": "a.example.com", "X-Legacy": "1"}, "wildcard"),
+        ("/echo/x", {"Host": "A.B.Example.com:8080", "X-Legacy": "1"}, "wildcard"),
+        ("/echo/x", {"Host": "example.com", "X-Legacy": "1"}, "rest"),
+        ("/echo/x", {"X-Version": "2", "X-Beta": "", "X-Legacy": "1"}, "header"),
+        ("/echo/x", {"X-Version": "2", "X-Legacy": "1"}, "rest"),
+        ("/echo/x", {"X-Version": "3.7", "X-Legacy": "1"}, "header_regex"),
+        ("/echo/x?debug=1", {"X-Legacy": "1"}, "query"),
+        ("/echo/x?debug=0", {"X-Legacy": "1"}, "rest"),
+        ("/echo/x", {}, "absent"),
+    ],
+)
+async def test_each_match_form_through_the_gateway(forms_gw, client, target, headers, route):
+    async with client.get(URL(forms_gw.url + target, encoded=True), headers=headers) as response:
+        assert response.status == 200
+        assert policy_name(response) == route
+        assert (await response.json())["path"] == target  # forwarded as sent
+
+
+async def test_a_regex_route_matches_the_normalised_path(forms_gw, client):
+    async with client.get(URL(forms_gw.url + "/echo/x/../v2/users/%61nn", encoded=True), headers={"X-Legacy": "1"}) as response:
+        assert policy_name(response) == "regex"
+        assert (await response.json())["path"] == "/echo/v2/users/ann"
+
+
+async def test_hostile_input_to_backtracking_patterns_gets_its_answer_at_once(upstream):
+    """A gateway process as users start it, with patterns that make Python's re backtrack
+    for hours on these inputs: each request is answered in well under a second."""
+    config = f"""
+routes:
+  - match: {{regex: "/(a+)+b", headers: {{X-A: {{regex: "(x+x+)+y"}}}}}}
+    upstream: {upstream}
+  - match: {{path: /}}
+    upstream: {upstream}
+"""
+    with GatewayProcess(config) as gw:
+        async with aiohttp.ClientSession() as client:
+            started = time.perf_counter()
+            async with client.get(gw.url + "/" + "a" * 4000, headers={"X-A": "x" * 8000}) as response:
+                assert response.status == 200
+                assert (await response.json())["path"] == "/" + "a" * 4000  # the catch-all took it
+            assert time.perf_counter() - started < 2.0
+
+
+@pytest.mark.parametrize(
+    ("target", "value"),
+    [
+        ("/echo/x", b"\xff\xfe 3.1"),  # not UTF-8: read, never a 500
+        ("/echo/x?debug=%ff%fe&debug=%zz", b"1"),
+        ("/echo/x?debug=" + "%C3%A9" * 1000, b"3." + b"9" * 7000),
+    ],
+)
+async def test_odd_bytes_in_header_and_query_conditions_are_read_not_a_500(forms_gw, target, value):
+    status, _, _ = await raw_exchange(forms_gw.url, request_bytes(target, [(b"X-Version", value)]))
+    assert status == 200

@@ -241,3 +241,34 @@ async def test_the_json_access_log_never_writes_query_values(upstream):
         assert await asyncio.to_thread(gw.stop) == 0
     (record,) = [json.loads(line) for line in gw.stdout_lines]
     assert record["path"] == "/echo/a?key=***"
+
+
+# Methods llhttp accepts beyond the known ones, which the metrics must count as OTHER.
+ODD_METHODS = ("PROPFIND", "MKCOL", "PURGE", "SEARCH", "REPORT", "LOCK", "ACL")
+
+
+async def test_no_client_chosen_value_becomes_a_metric_label(gw, client):
+    """Methods, targets, Hosts, header names and values all differ per request (some are
+    routed, some refused): /metrics names none of them, and counts every request."""
+    tokens = []
+    for i in range(120):
+        token = f"tok{i}x{free_port()}"
+        tokens.append(token)
+        method = (ODD_METHODS + ("GET", "POST"))[i % 9]
+        host = (f"{token}.example", f"{token}:{i + 1}", "gw")[i % 3]
+        path = (f"/{token}?key={token}", f"/echo/{token}/%zz", f"/echo/{token};p=1")[i % 3]
+        request = (
+            f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nX-{token}: {token}\r\nX-Request-ID: {token}\r\n"
+            f"User-Agent: {token}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        )
+        await raw_exchange(gw.url, request.encode())
+    text, samples = await scrape(client, gw.admin_url)
+    assert not [token for token in tokens if token in text]
+    seen: dict[str, set[str]] = {}
+    for sample in samples:
+        for name, label in sample.labels.items():
+            seen.setdefault(name, set()).add(label)
+    assert seen["route"] <= {"/", "unmatched"}
+    assert seen["method"] <= {"GET", "POST", "OTHER"} and "OTHER" in seen["method"]
+    requests = [s.value for s in samples if s.name == "gateway_requests_total"]
+    assert sum(requests) == len(tokens)

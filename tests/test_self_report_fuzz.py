@@ -26,6 +26,8 @@ from tests.upstream import serving_in_a_thread
 # A marker in every piece the client controls; it must never come back from the gateway.
 MARK = b"Zq7"
 CONFIG = """
+listen: 127.0.0.1:0
+admin_listen: 127.0.0.1:0
 limits:
   per_key: {{rate: 1000000/hour, key: [header:X-Api-Key, 'query:key', ip]}}
 routes:

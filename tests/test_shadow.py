@@ -13,7 +13,8 @@ import pytest
 from gateway.config import ConfigError
 from gateway.config.model import FailurePolicy, IdentitySource, Limit
 from gateway.config.units import parse_rate
-from gateway.limiter.limiter import ALLOW, DENY, SHADOW_LIMITED, Limiter
+from gateway.limiter.limiter import Limiter
+from gateway.limiter.outcomes import ALLOW, DENY, SHADOW_LIMITED
 from gateway.limiter.memory_store import MemoryStore
 from gateway.limiter.store import LimitCheck
 from gateway.testing import config_from_yaml, running_gateway
@@ -81,8 +82,8 @@ async def test_a_short_shadow_limit_leaves_the_enforced_one_charged_in_process(u
         await check_a_short_shadow_limit_leaves_the_enforced_one_charged(gw, http)
 
 
-async def test_a_short_shadow_limit_leaves_the_enforced_one_charged_in_redis(upstream, redis_server):
-    store = f"store: {{url: {redis_server.url}, timeout: 200ms}}"
+async def test_a_short_shadow_limit_leaves_the_enforced_one_charged_in_redis(upstream, dedicated_redis):
+    store = f"store: {{url: {dedicated_redis.url}}}"  # the default store.timeout, as users run it
     async with running_gateway(shadow_yaml(upstream, store)) as gw, aiohttp.ClientSession() as http:
         await check_a_short_shadow_limit_leaves_the_enforced_one_charged(gw, http)
 
@@ -108,7 +109,7 @@ def test_a_shadow_that_is_not_a_boolean_is_refused():
 
 
 async def test_a_fail_closed_shadow_limit_rejects_nothing_while_the_store_is_down(upstream, redis_server):
-    store = f"store: {{url: {redis_server.url}, timeout: 50ms}}"
+    store = f"store: {{url: {redis_server.url}}}"
     config = shadow_yaml(upstream, store).replace("burst: 1, shadow: true", "burst: 1, shadow: true, on_store_error: closed")
     async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
         redis_server.stop()

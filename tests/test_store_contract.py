@@ -29,6 +29,8 @@ limits:
   tiny:       {rate: 1/hour, burst: 1}
   fast:       {rate: 10/second, burst: 2}
   one-a-hour: {rate: 1/hour, burst: 5}
+  shaped:     {rate: 6/minute, burst: 1, mode: delay, max_delay: 30s}
+  daily:      {quota: {limit: 2, per: day}}
 routes:
   - match: {path: /}
     upstream: http://127.0.0.1:1
@@ -41,7 +43,7 @@ POLL_INTERVAL = 0.002
 
 
 def check(name: str, identity: str = "ip=192.0.2.1", cost: int = 1) -> LimitCheck:
-    return LimitCheck(limit=LIMITS[name], identity=identity, cost=cost)
+    return LimitCheck(limit=LIMITS[name], identity=identity, cost=cost, max_delay=LIMITS[name].max_delay)
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +200,33 @@ async def test_a_bucket_is_read_without_charging_it_and_deleted_back_to_full(sto
     assert await store.delete(limit, "ip=192.0.2.1") is False
     assert (await store.read(limit, "ip=192.0.2.1")).held is False
     assert (await store.check([check("per-ip")])).remaining == approx(9)
+
+
+async def test_a_shaping_bucket_owes_up_to_max_delay_and_each_wait_is_ten_seconds_longer(store: Store):
+    """6/minute, burst 1, max_delay 30 s (a debt of 3 tokens): one at once, three waiting
+    about 10, 20 and 30 s, then denied until the debt would cover it again, 10 s on; a
+    check that may not wait (max_delay 0) is denied outright."""
+    answers = [await store.check([check("shaped")]) for _ in range(5)]
+    assert [a.allowed for a in answers] == [True, True, True, True, False]
+    assert [a.wait for a in answers] == pytest.approx([0, 10, 20, 30, 0], abs=0.1)
+    assert answers[4].remaining == pytest.approx((-3,), abs=0.05)
+    assert answers[4].retry_after == pytest.approx(10, abs=0.1)
+    other = LimitCheck(limit=LIMITS["shaped"], identity="ip=192.0.2.9", cost=1)
+    assert (await store.check([other])).allowed and not (await store.check([other])).allowed
+
+
+async def test_a_quota_and_a_bucket_are_all_or_nothing_and_the_quota_resets_with_the_utc_day(store: Store):
+    pair = [check("tiny", identity="ip=192.0.2.2"), check("daily", identity="ip=192.0.2.2")]
+    first = await store.check([check("daily", identity="ip=192.0.2.2")])
+    both = await store.check(pair)
+    spent = await store.check([check("one-a-hour", identity="ip=192.0.2.2"), check("daily", identity="ip=192.0.2.2")])
+    assert (first.allowed, both.allowed, spent.allowed) == (True, True, False)
+    assert both.remaining == approx(0, 0)
+    assert spent.remaining == approx(5, 0)  # the bucket was not charged for the spent quota
+    to_midnight = 86400 - time.time() % 86400
+    assert spent.retry_after == pytest.approx(to_midnight, abs=2) and spent.resets[1] == pytest.approx(to_midnight, abs=2)
+    assert spent.resets[0] is None
+    # And the other way round: the empty bucket keeps a fresh quota from being charged.
+    tiny_empty = await store.check([check("tiny", identity="ip=192.0.2.2"), check("daily", identity="ip=192.0.2.3")])
+    assert not tiny_empty.allowed and tiny_empty.remaining == approx(0, 2)
+    assert (await store.check([check("daily", identity="ip=192.0.2.3")])).remaining == approx(1)

@@ -43,6 +43,8 @@ def test_parse_duration_rejects_anything_else(value):
         ("100/minute", 100, 60.0),
         ("1/hour", 1, 3600.0),
         ("10/day", 10, 86400.0),
+        ("1000/month", 1000, 30 * 86400.0),
+        ("5000/year", 5000, 365 * 86400.0),
         ("100/10s", 100, 10.0),
         ("3/500ms", 3, 0.5),
         ("2.5/second", 2.5, 1.0),
@@ -58,7 +60,7 @@ def test_parse_rate_reads_count_and_period(text, tokens, period):
 
 @pytest.mark.parametrize(
     "value",
-    ["100", "100/", "/minute", "100/minutes", "100/week", "100/0s", "0/second", "-1/second", "100/10", "1e2/second",
+    ["100", "100/", "/minute", "100/minutes", "100/week", "100/months", "100/0s", "0/second", "-1/second", "100/10", "1e2/second",
      "abc/second", 100, None, True, "100/minute/2", "٣/second"],
 )
 def test_parse_rate_rejects_anything_else(value):

@@ -1,4 +1,4 @@
-"""Shipping: the Lua script travels inside the wheel and is found with importlib.resources.
+"""Shipping: the Lua script and the admin page travel inside the wheel and are found with importlib.resources.
 
 SLOW-ish (about 5-15 s) and needs PyPI or pip's cache: pip builds the wheel in
 an isolated environment that installs setuptools. The wheel is built from a
@@ -26,12 +26,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "lua" / "token_bucket.lua"
+PAGE = ROOT / "gateway" / "admin_page"
+PAGE_FILES = ("index.html", "admin.js", "admin.css")
 
 PROBE = """
 import importlib.resources, json, sys
 import gateway
 from gateway.limiter.redis_store import load_script
+from gateway.admin import page_file
 print(json.dumps({
+    "page": {name: page_file(name).decode("utf-8") for name in ("index.html", "admin.js", "admin.css")},
     "gateway": gateway.__file__,
     "resource": importlib.resources.files("gateway.lua").joinpath("token_bucket.lua").read_text(encoding="utf-8"),
     "loaded": load_script(),
@@ -47,7 +51,7 @@ def run(*args: str | Path, cwd: Path, env: dict[str, str] | None = None) -> subp
 
 
 @pytest.mark.timeout(180)
-def test_an_installed_wheel_ships_the_lua_script_and_loads_it_from_outside_the_source_tree(tmp_path: Path):
+def test_an_installed_wheel_ships_the_lua_script_and_the_admin_page_and_loads_them_from_outside_the_source_tree(tmp_path: Path):
     source = tmp_path / "src"
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
@@ -62,7 +66,11 @@ def test_an_installed_wheel_ships_the_lua_script_and_loads_it_from_outside_the_s
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         assert "gateway/lua/token_bucket.lua" in names
+        assert "gateway/lua/concurrency_lease.lua" in names
+        assert "gateway/lua/token_lease.lua" in names
         assert archive.read("gateway/lua/token_bucket.lua").decode("utf-8") == SCRIPT.read_text(encoding="utf-8")
+        for name in PAGE_FILES:
+            assert archive.read(f"gateway/admin_page/{name}") == (PAGE / name).read_bytes()
     assert not any(name.startswith(("lua/", "tests/")) for name in names), "stray top-level packages in the wheel"
 
     target = tmp_path / "venv"
@@ -84,4 +92,5 @@ def test_an_installed_wheel_ships_the_lua_script_and_loads_it_from_outside_the_s
     assert not any((elsewhere / entry).resolve() == ROOT for entry in probe["path"]), probe["path"]
     assert probe["resource"] == SCRIPT.read_text(encoding="utf-8")
     assert probe["loaded"] == probe["resource"]
+    assert probe["page"] == {name: (PAGE / name).read_text(encoding="utf-8") for name in PAGE_FILES}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import gzip
 import threading
@@ -108,6 +109,13 @@ async def redirect(_: web.Request) -> web.Response:
     return web.Response(status=302, headers={"Location": "/echo"})
 
 
+async def location(request: web.Request) -> web.Response:
+    """A 302 whose Location and Content-Location are `value`, with `{self}` replaced by this
+    upstream's own origin as the request reached it (as an app behind a proxy writes its URLs)."""
+    value = request.query["value"].replace("{self}", str(request.url.origin()))
+    return web.Response(status=302, headers={"Location": value, "Content-Location": value})
+
+
 async def hop_by_hop(_: web.Request) -> web.Response:
     return web.Response(
         text="hop",
@@ -139,6 +147,36 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
     return ws
 
 
+# The close code the upstream's /ws-bye sends: a private-use code (RFC 6455 §7.4.2), so
+# a client that sees it knows the upstream's close came through and was not the gateway's own.
+UPSTREAM_BYE = 4001
+
+
+async def _echo_once(request: web.Request) -> web.WebSocketResponse:
+    """Accept a WebSocket and echo its first message."""
+    ws = web.WebSocketResponse()
+    await ws.prepare(request)
+    message = await ws.receive()
+    if message.type == web.WSMsgType.TEXT:
+        await ws.send_str("echo:" + message.data)
+    return ws
+
+
+async def websocket_bye(request: web.Request) -> web.WebSocketResponse:
+    """A WebSocket whose upstream ends it: echoes one message, then closes with UPSTREAM_BYE."""
+    ws = await _echo_once(request)
+    await ws.close(code=UPSTREAM_BYE, message=b"bye")
+    return ws
+
+
+async def websocket_drop(request: web.Request) -> web.WebSocketResponse:
+    """A WebSocket whose upstream fails: echoes one message, then drops its connection with no close frame."""
+    ws = await _echo_once(request)
+    assert request.transport is not None
+    request.transport.abort()
+    return ws
+
+
 def upstream_app() -> web.Application:
     app = web.Application(client_max_size=1 << 20)
     app.router.add_route("*", "/echo{tail:.*}", echo)
@@ -152,6 +190,7 @@ def upstream_app() -> web.Application:
     app.router.add_get("/gzip", gzipped)
     app.router.add_get("/set-cookie", set_cookie)
     app.router.add_get("/redirect", redirect)
+    app.router.add_get("/location", location)
     app.router.add_get("/hop", hop_by_hop)
     app.router.add_get("/status/{code}", status)
     app.router.add_get("/ws", websocket)
@@ -216,3 +255,39 @@ def serving_in_a_thread(handler: Handler) -> Iterator[str]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+class CountingUpstream:
+    """For `serving`: counts the requests in flight per X-API-Key and the most seen at once.
+    Requests to /held wait until `gate` is set, /reset loses its connection, /ws is a
+    WebSocket echo, /ws-bye a WebSocket the upstream closes after one echo, /ws-drop one
+    whose connection it drops after one echo, with no close frame; any other path answers
+    at once. A WebSocket is in flight until the upstream's side of it ends."""
+
+    def __init__(self) -> None:
+        self.in_flight: collections.Counter[str] = collections.Counter()
+        self.most: collections.Counter[str] = collections.Counter()
+        self.gate = asyncio.Event()
+        self.ws_closed_with: list[int | None] = []  # each /ws's close code, as the upstream saw it
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        who = request.headers.get("X-API-Key", "")
+        self.in_flight[who] += 1
+        self.most[who] = max(self.most[who], self.in_flight[who])
+        try:
+            if request.path == "/held":
+                await self.gate.wait()
+            elif request.path == "/reset":
+                assert request.transport is not None
+                request.transport.abort()
+            elif request.path == "/ws":
+                ws = await websocket(request)  # type: ignore[arg-type]
+                self.ws_closed_with.append(ws.close_code)
+                return ws
+            elif request.path == "/ws-bye":
+                return await websocket_bye(request)  # type: ignore[arg-type]
+            elif request.path == "/ws-drop":
+                return await websocket_drop(request)  # type: ignore[arg-type]
+            return web.Response(text="ok")
+        finally:
+            self.in_flight[who] -= 1

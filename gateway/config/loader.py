@@ -7,44 +7,68 @@ the YAML path (such as `routes[1].limits[0].name`) and what was expected.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import hashlib
 import ipaddress
 import os
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 import yaml
 
 from gateway.config import jwt_keys, tls
+from gateway.config.body_template import parse_body_template, parse_content_type
+from gateway.config.regex import Regex
 from gateway.config.model import (
+    DEFAULT_BODY_CONTENT_TYPE,
+    DEFAULT_LEASE_LAPSE,
+    Allowlist,
+    Balance,
+    ClientIpHeader,
+    ClientIpStrategy,
     ClientLimits,
+    ConcurrencyLimit,
     DotSegments,
     EscapedSlashes,
     FailurePolicy,
     ForwardedHeaders,
     GatewayConfig,
+    HeaderStyle,
+    HeaderRules,
+    HealthCheck,
     IdentitySource,
     JwtConfig,
     JwtFailure,
     Limit,
     ListenTls,
     Match,
+    PassiveEjection,
+    PathForm,
     PathNormalization,
+    ResponseStyle,
+    Quota,
     Route,
     RouteLimit,
     StoreConfig,
+    Target,
+    Tiers,
+    UpstreamPool,
     UpstreamTimeout,
+    ValueMatch,
 )
 from gateway.config.units import (
     REDIS_PORT,
     SENTINEL_PORT,
     Address,
+    Rate,
     parse_address,
     parse_duration,
     parse_rate,
     parse_size,
+    parse_time_of_day,
     split_hosts,
 )
 
@@ -78,19 +102,83 @@ DEFAULT_KEEPALIVE_REQUESTS = 1000
 DEFAULT_MAX_HEADER_SIZE = "32KiB"
 # Connections per upstream and worker process (aiohttp's default of 100 queues the rest).
 DEFAULT_UPSTREAM_CONNECTIONS = 1000
+# Upstream pools. Passive ejection takes Envoy's outlier-detection defaults (5 consecutive
+# errors, 30 s out); the active check defaults are nginx Plus's interval with Envoy-like
+# thresholds, so one lost probe never flaps a target. One retry, as nginx's
+# proxy_next_upstream passes a refused connection on to the next server by default.
+DEFAULT_EJECT_AFTER = 5
+DEFAULT_EJECT_FOR = "30s"
+DEFAULT_RETRIES = 1
+DEFAULT_HEALTH_INTERVAL = "5s"
+DEFAULT_HEALTH_TIMEOUT = "1s"
+DEFAULT_UNHEALTHY_AFTER = 3
+DEFAULT_HEALTHY_AFTER = 2
+# A concurrency lease outlives a gateway that died holding it by at most this. Leases of
+# requests that last longer are renewed every third of it, so it only bounds that wait.
+DEFAULT_LEASE_TTL = "60s"
+# Renewals come every third of the TTL; below a second they would be most of the traffic.
+MIN_LEASE_TTL = 1.0
+# A rejection says "too many requests" (429), or, for clients that retry only on it, "unavailable" (503).
+REJECTION_STATUSES = (429, 503)
+# Requests one worker holds waiting out a `mode: delay` wait. Each keeps its connection and
+# counts toward max_in_flight; a quarter of the default leaves the rest to requests that
+# go straight through.
+DEFAULT_MAX_DELAYED = 256
+# The longest `max_delay`: a wait past it is better told to the client as Retry-After
+# than held on an open connection.
+MAX_MAX_DELAY = 60.0
+# A quota's window lengths; a month's is nominal (its windows follow the calendar).
+QUOTA_PERIODS = {"hour": 3600.0, "day": 86400.0, "week": 7 * 86400.0, "month": 30 * 86400.0}
 STORE_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
 IDENTITY_KINDS = ("header", "query", "cookie", "jwt")
+# Sources that name no client but the request: the matched route's configured path (bounded
+# by the config, unlike the request path, which a client could vary to mint buckets), the
+# Host as routes match it, and the method (unregistered ones read as OTHER).
+REQUEST_SOURCES = ("path", "host", "method")
+# Sources every request has: entries after one of them in a `key` list are never read.
+ALWAYS_PRESENT = ("ip", "global", "path", "method")
+# The IANA HTTP Method Registry, less CONNECT (never routed: the gateway is no tunnel) and
+# PRI (the HTTP/2 preface). A method outside it in `match.methods` is a typo such as GTE.
+ROUTABLE_METHODS = frozenset(
+    {
+        "ACL", "BASELINE-CONTROL", "BIND", "CHECKIN", "CHECKOUT", "COPY", "DELETE", "GET", "HEAD", "LABEL",
+        "LINK", "LOCK", "MERGE", "MKACTIVITY", "MKCALENDAR", "MKCOL", "MKREDIRECTREF", "MKWORKSPACE", "MOVE",
+        "OPTIONS", "ORDERPATCH", "PATCH", "POST", "PROPFIND", "PROPPATCH", "PUT", "QUERY", "REBIND", "REPORT",
+        "SEARCH", "TRACE", "UNBIND", "UNCHECKOUT", "UNLINK", "UNLOCK", "UPDATE", "UPDATEREDIRECTREF",
+        "VERSION-CONTROL",
+    }
+)
+# Hex digits in either case, as sha256sum (lower) and PowerShell's Get-FileHash (upper) print them.
+# The most tokens, requests or leases a limit counts. Redis and Lua keep counts as
+# doubles, which hold whole numbers exactly only up to 2^53: a bucket of 1e20 tokens
+# never goes down by one. 10^15 leaves room for fractional refills.
+MAX_COUNT = 10**15
+_SHA256_RE = re.compile(r"^sha256:([0-9a-fA-F]{64})$")
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade"})
+_FORWARDING = frozenset({"x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "forwarded"})
 # Headers an identity may not be read from: hop-by-hop fields never reach the upstream, and
 # the forwarding headers are the gateway's to write (`ip` with trusted_proxies reads them).
-UNKEYABLE_HEADERS = frozenset(
-    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade"}
-    | {"x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "forwarded"}
-)
+UNKEYABLE_HEADERS = _HOP_BY_HOP | _FORWARDING
+# Headers a route may not rewrite. Hop-by-hop fields describe one connection, and
+# Content-Length is set by the HTTP library from the body each leg actually carries.
+# Going upstream, the forwarding headers, Host (see preserve_host) and X-Request-ID
+# are the gateway's to write; coming back, X-Request-ID and the RateLimit fields.
+_UNREWRITABLE = _HOP_BY_HOP | {"content-length", "x-request-id"}
+_UNREWRITABLE_REQUEST_HEADERS = _UNREWRITABLE | _FORWARDING | {"host"}
+_UNREWRITABLE_RESPONSE_HEADERS = _UNREWRITABLE | {
+    "ratelimit", "ratelimit-policy", "x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"
+}
 _INTERPOLATION_RE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _LIMIT_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_WILDCARD_HOST_PREFIX = "*."
 _HOST_RE = re.compile(r"^(?:[a-z0-9](?:[a-z0-9\-]*[a-z0-9])?\.)*[a-z0-9](?:[a-z0-9\-]*[a-z0-9])?$|^\[[0-9a-f:.]+\]$")
 _HTTP_TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_TARGET_NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-\[\]]+$")
+_HEALTH_PATH_RE = re.compile(r"^/[!-~]*$")
 _NOT_IN_ROUTE_PATH = re.compile(r"[%;?#\\\x00-\x1f\x7f]")
+# A header value as a route sets it: visible ASCII, spaces and tabs inside (RFC 9110 §5.5),
+# so no value can end a header line early.
+_HEADER_VALUE_RE = re.compile(r"[!-~](?:[ \t!-~]*[!-~])?|")
 
 
 def redacted_url(url: str) -> str:
@@ -179,12 +267,18 @@ class _Reader:
             self.fail(path, f"expected true or false, got {_type_name(value)}")
         return value
 
-    def integer(self, value: Any, path: str, *, minimum: int) -> int:
+    def integer(self, value: Any, path: str, *, minimum: int, maximum: int | None = None) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
             self.fail(path, f"expected an integer, got {_type_name(value)}")
         if value < minimum:
             self.fail(path, f"expected an integer >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            self.fail(path, f"expected an integer <= {maximum:,}, got {value:,}")
         return value
+
+    def count(self, value: Any, path: str) -> int:
+        """A number of tokens, requests or leases: from 1 to MAX_COUNT."""
+        return self.integer(value, path, minimum=1, maximum=MAX_COUNT)
 
     def sequence(self, value: Any, path: str) -> list[Any]:
         if not isinstance(value, list):
@@ -261,6 +355,18 @@ def _interpolate(value: Any, path: str, environ: Mapping[str, str], reader: _Rea
     return result
 
 
+# YAML 1.1 reads a bare `off` as false, so both spell "no access log".
+ACCESS_LOG_FORMATS = ("text", "json")
+
+
+def _access_log(value: Any, r: _Reader) -> str | None:
+    if value is False or value == "off":
+        return None
+    if value not in ACCESS_LOG_FORMATS:
+        r.fail("access_log", f"expected off, text or json, got {value!r}")
+    return value
+
+
 def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConfig:
     if document is None:
         r.fail("", "the file is empty; it needs at least `routes`")
@@ -273,7 +379,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
             "shutdown_grace", "forwarded_headers", "jwt", "path_normalization", "admin_token_env",
             "admin_raw_identities",
             "client_header_timeout", "client_body_timeout", "keepalive_timeout", "keepalive_requests",
-            "max_header_size", "upstream_connections",
+            "max_header_size", "upstream_connections", "access_log", "response", "max_delayed", "client_ip",
         ),
     )
     listen, listen_tls = _listen(top.get("listen", DEFAULT_LISTEN), r)
@@ -284,14 +390,14 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
     if workers > 1 and store is None:
         r.fail(
             "workers",
-            f"workers: {workers} needs a shared store; with the in-process store each worker "
+            f"{workers} needs a shared `store:`; with the in-process store each worker "
             f"would count separately and clients would get {workers} times the limit",
         )
     for key, address in (("listen", listen), ("admin_listen", admin_listen)):
         if workers > 1 and address.port == 0:
             r.fail(key, f"port 0 needs workers: 1; with workers: {workers} each worker would get a different port")
     trusted = tuple(
-        r.parsed(lambda v: ipaddress.ip_network(str(v), strict=False), item, f"trusted_proxies[{i}]")
+        r.parsed(lambda v: _network(str(v)), item, f"trusted_proxies[{i}]")
         for i, item in enumerate(r.sequence(top.get("trusted_proxies", []), "trusted_proxies"))
     )
     forwarded_text = top.get("forwarded_headers", ForwardedHeaders.REPLACE.value)
@@ -299,14 +405,29 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         forwarded_headers = ForwardedHeaders(forwarded_text)
     except ValueError:
         r.fail("forwarded_headers", f"expected replace or append, got {forwarded_text!r}")
+    client_ip = _client_ip(top["client_ip"], trusted, r) if "client_ip" in top else ClientIpStrategy()
     jwt_config = _jwt(top["jwt"], r, environ) if top.get("jwt") is not None else None
     limits_doc = top.get("limits") or {}
+    response = _response(top.get("response", {}), "response", ResponseStyle(), r)
     limits = {
-        name: _limit(name, spec, f"limits.{name}", r)
+        name: (
+            _concurrency_limit(name, spec, f"limits.{name}", r)
+            if isinstance(spec, dict) and "concurrency" in spec
+            else _limit(name, spec, f"limits.{name}", response, trusted, r)
+        )
         for name, spec in r.mapping(limits_doc, "limits", optional=tuple(limits_doc) if isinstance(limits_doc, dict) else ()).items()
     }
+    leased = next((name for name, limit in limits.items() if isinstance(limit, Limit) and limit.lease), None)
+    if leased is not None and store is None:
+        r.fail(
+            f"limits.{leased}.lease",
+            "a lease takes tokens from a shared store; without `store` the in-process buckets are local already",
+        )
     jwt_sources = [
-        (name, i) for name, limit in limits.items() for i, source in enumerate(limit.key) if source.kind == "jwt"
+        (name, i)
+        for name, limit in limits.items()
+        for i, source in enumerate(limit.key)
+        if any(leaf.kind == "jwt" for leaf in source.leaves)
     ]
     if jwt_sources and jwt_config is None:
         name, i = jwt_sources[0]
@@ -316,7 +437,8 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
     routes_doc = r.sequence(top["routes"], "routes")
     if not routes_doc:
         r.fail("routes", "expected at least one route")
-    routes = tuple(_route(item, f"routes[{i}]", limits, r) for i, item in enumerate(routes_doc))
+    targets = _SharedTargets()
+    routes = tuple(_route(item, f"routes[{i}]", limits, targets, r) for i, item in enumerate(routes_doc))
     return GatewayConfig(
         source=r.source,
         listen=listen,
@@ -325,7 +447,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         max_in_flight=max_in_flight,
         store=store,
         trusted_proxies=trusted,
-        limits=tuple(limits.values()),
+        limits=tuple(limit for limit in limits.values() if isinstance(limit, Limit)),
         routes=routes,
         shutdown_grace=r.parsed(parse_duration, top.get("shutdown_grace", DEFAULT_SHUTDOWN_GRACE), "shutdown_grace"),
         forwarded_headers=forwarded_headers,
@@ -334,6 +456,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         listen_tls=listen_tls,
         admin_token=_admin_token(top.get("admin_token_env"), r, environ),
         admin_raw_identities=r.boolean(top.get("admin_raw_identities", False), "admin_raw_identities"),
+        access_log=_access_log(top.get("access_log", False), r),
         clients=ClientLimits(
             header_timeout=r.parsed(
                 parse_duration, top.get("client_header_timeout", DEFAULT_CLIENT_HEADER_TIMEOUT), "client_header_timeout"
@@ -352,6 +475,9 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         upstream_connections=r.integer(
             top.get("upstream_connections", DEFAULT_UPSTREAM_CONNECTIONS), "upstream_connections", minimum=1
         ),
+        concurrency_limits=tuple(limit for limit in limits.values() if isinstance(limit, ConcurrencyLimit)),
+        max_delayed=r.integer(top.get("max_delayed", DEFAULT_MAX_DELAYED), "max_delayed", minimum=1),
+        client_ip=client_ip,
     )
 
 
@@ -374,6 +500,8 @@ def _listen(doc: Any, r: _Reader) -> tuple[Address, ListenTls | None]:
     )
     try:
         tls.server_context(listen_tls)
+    except tls.EncryptedKey as exc:
+        r.fail("listen.tls.key", str(exc))
     except OSError as exc:
         r.fail("listen.tls", f"cannot load the certificate and key: {exc.strerror or exc}")
     return address, listen_tls
@@ -443,7 +571,8 @@ def _choice(kind: type[enum.Enum], value: Any, path: str, r: _Reader) -> Any:
     try:
         return kind(value)
     except ValueError:
-        r.fail(path, f"expected {' or '.join(member.value for member in kind)}, got {value!r}")
+        *others, last = (member.value for member in kind)
+        r.fail(path, f"expected {', '.join(others)} or {last}, got {value!r}")
 
 
 def _store(doc: Any, r: _Reader) -> StoreConfig:
@@ -468,7 +597,7 @@ def _store(doc: Any, r: _Reader) -> StoreConfig:
             f"the user name or password holds /, ? or #, which end the host part of a URL; "
             f"percent-encode them (%2F, %3F, %23), got {shown!r}",
         )
-    parts = urlsplit(url)
+    parts = _split_url(url, "store.url", r, shown=shown)
     if parts.scheme not in STORE_SCHEMES:
         r.fail("store.url", f"expected a URL with scheme {', '.join(s + '://' for s in STORE_SCHEMES)}, got {shown!r}")
     if parts.scheme == "unix":
@@ -533,38 +662,199 @@ def _store(doc: Any, r: _Reader) -> StoreConfig:
     )
 
 
-def _limit(name: Any, doc: Any, path: str, r: _Reader) -> Limit:
+def _limit(name: Any, doc: Any, path: str, response: ResponseStyle, trusted: tuple[Any, ...], r: _Reader) -> Limit:
+    """`response`: the top-level `response`, which the limit's own overrides key by key."""
     if not isinstance(name, str) or not _LIMIT_NAME_RE.match(name):
         r.fail(path, "limit names may use letters, digits, '_', '-' and '.' only")
-    spec = r.mapping(doc, path, required=("rate",), optional=("burst", "key", "on_store_error", "shadow"))
-    rate = r.parsed(parse_rate, spec["rate"], f"{path}.rate")
-    if "burst" in spec:
-        burst = r.integer(spec["burst"], f"{path}.burst", minimum=1)
+    spec = r.mapping(
+        doc,
+        path,
+        optional=(
+            "rate", "burst", "quota", "key", "on_store_error", "shadow", "mode", "max_delay", "response", "lease",
+            "lease_lapse", "tiers", "allow",
+        ),
+    )
+    if ("rate" in spec) == ("quota" in spec):
+        r.fail(path, "expected exactly one of `rate` (a token bucket) and `quota` (a fixed window)")
+    quota = None
+    if "quota" in spec:
+        if "burst" in spec:
+            r.fail(f"{path}.burst", "a quota has no burst: its limit is what one window admits")
+        quota = _quota(spec["quota"], f"{path}.quota", r)
+        rate = Rate(tokens=quota.limit, period_seconds=QUOTA_PERIODS[quota.per], text=f"{quota.limit}/{quota.per}")
+        burst = quota.limit
     else:
-        if rate.tokens != int(rate.tokens) or rate.tokens < 1:
-            r.fail(f"{path}.burst", f"required when the rate's count is not a whole number ({rate.text})")
-        burst = int(rate.tokens)
+        rate, burst = _rate_and_burst(spec, path, r)
+    max_delay = _max_delay(spec, path, r)
+    if max_delay and quota is not None:
+        r.fail(f"{path}.mode", "a quota cannot delay: its window refills only when it ends")
+    if max_delay and spec.get("shadow") is True:
+        r.fail(f"{path}.mode", "a shadow limit never holds a request back, so it cannot delay one")
+    sources = _key(spec, path, r)
+    policy = _choice(FailurePolicy, spec.get("on_store_error", FailurePolicy.OPEN.value), f"{path}.on_store_error", r)
+    shadow = r.boolean(spec.get("shadow", False), f"{path}.shadow")
+    if "response" in spec:
+        response = _response(spec["response"], f"{path}.response", response, r)
+    lease = r.count(spec["lease"], f"{path}.lease") if "lease" in spec else 0
+    if lease > burst:
+        r.fail(f"{path}.lease", f"a lease of {lease} is more than the burst {burst}, which is all a bucket ever holds")
+    if "lease_lapse" in spec and not lease:
+        r.fail(f"{path}.lease_lapse", "applies to a `lease`, which this limit does not have")
+    lease_lapse = DEFAULT_LEASE_LAPSE
+    if "lease_lapse" in spec:
+        lease_lapse = r.parsed(parse_duration, spec["lease_lapse"], f"{path}.lease_lapse")
+    if lease and (quota is not None or max_delay):
+        r.fail(f"{path}.lease", "a lease takes tokens of a token bucket that rejects; a quota or a delaying limit has none to lease")
+    limit = Limit(
+        name=name,
+        rate=rate,
+        burst=burst,
+        key=sources,
+        on_store_error=policy,
+        shadow=shadow,
+        response=response,
+        lease=lease,
+        lease_lapse=lease_lapse,
+        max_delay=max_delay,
+        quota=quota,
+    )
+    if "allow" in spec:
+        limit = dataclasses.replace(limit, allow=_allow(spec["allow"], f"{path}.allow", sources, r))
+    if "tiers" in spec:
+        if lease or quota is not None:
+            r.fail(f"{path}.tiers", "tiers give buckets their own rate and burst; not with a quota or a lease")
+        limit = dataclasses.replace(limit, tiers=_tiers(spec["tiers"], f"{path}.tiers", limit, trusted, r))
+    return limit
+
+
+def _response(doc: Any, path: str, inherited: ResponseStyle, r: _Reader) -> ResponseStyle:
+    """A `response` block: each key given replaces the one `inherited`. `body` and
+    `content_type` go together: a block that sets `body` gets its own content type."""
+    spec = r.mapping(doc, path, optional=("status", "headers", "body", "content_type"))
+    status = inherited.status
+    if "status" in spec:
+        status = r.integer(spec["status"], f"{path}.status", minimum=0)
+        if status not in REJECTION_STATUSES:
+            r.fail(f"{path}.status", f"expected 429 or 503, got {status}")
+    headers = _choice(HeaderStyle, spec["headers"], f"{path}.headers", r) if "headers" in spec else inherited.headers
+    if "content_type" in spec and "body" not in spec:
+        r.fail(f"{path}.content_type", "sets the type of `body`, which this block does not set")
+    body, content_type = inherited.body, inherited.content_type
+    if "body" in spec:
+        body = r.parsed(parse_body_template, spec["body"], f"{path}.body")
+        content_type = r.parsed(parse_content_type, spec.get("content_type", DEFAULT_BODY_CONTENT_TYPE), f"{path}.content_type")
+    return ResponseStyle(status=status, headers=headers, body=body, content_type=content_type)
+
+
+def _concurrency_limit(name: Any, doc: Any, path: str, r: _Reader) -> ConcurrencyLimit:
+    """A limit with `concurrency: N` is its own kind: it counts requests in flight, not a rate."""
+    if not isinstance(name, str) or not _LIMIT_NAME_RE.match(name):
+        r.fail(path, "limit names may use letters, digits, '_', '-' and '.' only")
+    for key in ("rate", "burst", "shadow"):
+        if key in doc:
+            r.fail(
+                _join(path, key),
+                f"a concurrency limit takes no {key}; define a rate limit of its own and list both on the route",
+            )
+    spec = r.mapping(doc, path, required=("concurrency",), optional=("lease_ttl", "key", "on_store_error"))
+    lease_ttl = r.parsed(parse_duration, spec.get("lease_ttl", DEFAULT_LEASE_TTL), f"{path}.lease_ttl")
+    if lease_ttl < MIN_LEASE_TTL:
+        r.fail(f"{path}.lease_ttl", f"expected at least {MIN_LEASE_TTL:g}s, got {spec['lease_ttl']!r}")
+    sources = _key(spec, path, r)
+    policy = _choice(FailurePolicy, spec.get("on_store_error", FailurePolicy.OPEN.value), f"{path}.on_store_error", r)
+    return ConcurrencyLimit(
+        name=name,
+        concurrency=r.count(spec["concurrency"], f"{path}.concurrency"),
+        lease_ttl=lease_ttl,
+        key=sources,
+        on_store_error=policy,
+    )
+
+
+def _max_delay(spec: Mapping[str, Any], path: str, r: _Reader) -> float:
+    """`mode: delay` with `max_delay`: the longest wait; 0 for `mode: reject` (the default)."""
+    mode = spec.get("mode", "reject")
+    if mode not in ("reject", "delay"):
+        r.fail(f"{path}.mode", f"expected reject or delay, got {mode!r}")
+    if mode == "reject":
+        if "max_delay" in spec:
+            r.fail(f"{path}.max_delay", "only applies with mode: delay")
+        return 0.0
+    if "max_delay" not in spec:
+        r.fail(f"{path}.max_delay", "required with mode: delay (the longest a request waits, such as 500ms)")
+    max_delay = r.parsed(parse_duration, spec["max_delay"], f"{path}.max_delay")
+    if max_delay > MAX_MAX_DELAY:
+        r.fail(f"{path}.max_delay", f"at most {MAX_MAX_DELAY:g}s: a longer wait is better told as Retry-After")
+    return max_delay
+
+
+def _quota(doc: Any, path: str, r: _Reader) -> Quota:
+    spec = r.mapping(doc, path, required=("limit", "per"), optional=("reset",))
+    per = spec["per"]
+    if per not in QUOTA_PERIODS:
+        r.fail(f"{path}.per", f"expected {', '.join(QUOTA_PERIODS)}, got {per!r}")
+    return Quota(
+        limit=r.count(spec["limit"], f"{path}.limit"),
+        per=per,
+        reset=r.parsed(parse_time_of_day, spec.get("reset", "00:00 UTC"), f"{path}.reset"),
+    )
+
+
+def _key(spec: Mapping[str, Any], path: str, r: _Reader) -> tuple[IdentitySource, ...]:
+    """A limit's `key`: its sources in order, the first present wins."""
     keys = spec.get("key", ["ip"])
     if isinstance(keys, str):
         keys = [keys]
-    sources = tuple(_identity(item, f"{path}.key[{i}]", r) for i, item in enumerate(r.sequence(keys, f"{path}.key")))
-    if not sources:
-        r.fail(f"{path}.key", "expected at least one identity source")
-    policy_text = spec.get("on_store_error", FailurePolicy.OPEN.value)
-    try:
-        policy = FailurePolicy(policy_text)
-    except ValueError:
-        r.fail(f"{path}.on_store_error", f"expected open, closed or local, got {policy_text!r}")
-    shadow = r.boolean(spec.get("shadow", False), f"{path}.shadow")
-    return Limit(name=name, rate=rate, burst=burst, key=sources, on_store_error=policy, shadow=shadow)
+    # `key: []`: no source at all, so every client shares the one bucket.
+    items = r.sequence(keys, f"{path}.key") or ["global"]
+    sources = tuple(_identity(item, f"{path}.key[{i}]", r) for i, item in enumerate(items))
+    for i, source in enumerate(sources):
+        if source in sources[:i]:
+            r.fail(f"{path}.key[{i}]", f"{source} is listed twice")
+        if i and all(leaf.kind in ALWAYS_PRESENT for leaf in sources[i - 1].leaves):
+            r.fail(f"{path}.key[{i}]", f"never read: every request has {sources[i - 1]}, listed before it")
+    return sources
+
+
+def _rate_and_burst(spec: Mapping[str, Any], path: str, r: _Reader) -> tuple[Any, int]:
+    rate = r.parsed(parse_rate, spec["rate"], f"{path}.rate")
+    if "burst" in spec:
+        return rate, r.count(spec["burst"], f"{path}.burst")
+    if rate.tokens != int(rate.tokens) or rate.tokens < 1:
+        r.fail(f"{path}.burst", f"required when the rate's count is not a whole number ({rate.text})")
+    if rate.tokens > MAX_COUNT:
+        r.fail(f"{path}.rate", f"a burst of {rate.tokens:g} is more than the {MAX_COUNT:,} a limit counts exactly")
+    return rate, int(rate.tokens)
 
 
 def _identity(value: Any, path: str, r: _Reader) -> IdentitySource:
-    expected = "expected ip, header:NAME, query:NAME, cookie:NAME or jwt:CLAIM"
+    """One entry of a limit's `key`: a source, or a list of sources that together name a bucket."""
+    if not isinstance(value, list):
+        return _single_source(value, path, r)
+    parts = tuple(_single_source(item, f"{path}[{i}]", r) for i, item in enumerate(value))
+    if len(parts) < 2:
+        r.fail(path, "a composite key entry lists two sources or more (one source needs no list)")
+    for i, part in enumerate(parts):
+        if part.kind == "global":
+            r.fail(f"{path}[{i}]", "global names no client; it cannot be part of a composite key")
+        if part in parts[:i]:
+            r.fail(f"{path}[{i}]", f"{part} is listed twice")
+    return IdentitySource(kind="composite", parts=parts)
+
+
+def _single_source(value: Any, path: str, r: _Reader) -> IdentitySource:
+    expected = (
+        "expected ip, ip/PREFIX, ip/PREFIX4,PREFIX6, header:NAME, query:NAME, cookie:NAME, jwt:CLAIM, "
+        "path, host, method or global"
+    )
+    if isinstance(value, int) and not isinstance(value, bool):
+        r.fail(path, f"{expected}, got an integer (in a [...] list, quote 'ip/24,64': YAML splits it at the comma)")
     if not isinstance(value, str):
         r.fail(path, f"{expected}, got {_type_name(value)}")
-    if value == "ip":
-        return IdentitySource(kind="ip")
+    if value == "ip" or value.startswith("ip/"):
+        return _ip_source(value, path, r)
+    if value in REQUEST_SOURCES or value == "global":
+        return IdentitySource(kind=value)
     kind, sep, name = value.partition(":")
     if not sep or kind not in IDENTITY_KINDS or not name:
         r.fail(path, f"{expected}, got {value!r}")
@@ -579,74 +869,485 @@ def _identity(value: Any, path: str, r: _Reader) -> IdentitySource:
     return IdentitySource(kind=kind, name=name)
 
 
-def _route(doc: Any, path: str, limits: Mapping[str, Limit], r: _Reader) -> Route:
+def _ip_source(value: str, path: str, r: _Reader) -> IdentitySource:
+    """`ip`, `ip/V4` (IPv4 clients grouped by their /V4 network, IPv6 ones by address) or
+    `ip/V4,V6` (IPv6 clients by their /V6 network too)."""
+    if value == "ip":
+        return IdentitySource(kind="ip")
+    v4_text, comma, v6_text = value[3:].partition(",")
+    prefixes = []
+    for text, family, bits in ((v4_text, "IPv4", 32), (v6_text if comma else "128", "IPv6", 128)):
+        if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= bits:
+            r.fail(path, f"expected ip/PREFIX4 or ip/PREFIX4,PREFIX6 with an {family} prefix from 1 to {bits}, got {value!r}")
+        prefixes.append(int(text))
+    return IdentitySource(kind="ip", ipv4_prefix=prefixes[0], ipv6_prefix=prefixes[1])
+
+
+def _allow(doc: Any, path: str, sources: tuple[IdentitySource, ...], r: _Reader) -> Allowlist:
+    """`allow: [CIDR or address, SOURCE=VALUE, ...]`: an address is matched against the client's
+    (as `ip` reads it), an identity against what the limit's key read."""
+    networks = []
+    identities = set()
+    readable = {str(source): source for source in sources}
+    for i, item in enumerate(r.sequence(doc, path)):
+        where = f"{path}[{i}]"
+        text = r.string(item, where)
+        source_text, equals, value = text.partition("=")
+        if not equals:
+            try:
+                networks.append(_network(text))
+            except ValueError as exc:
+                r.fail(where, f"{exc}; or SOURCE=VALUE for an identity")
+            continue
+        source = _single_source(source_text, where, r)
+        if str(source) not in readable or source.kind == "global":
+            keyed = ", ".join(readable)
+            r.fail(where, f"this limit's key never reads {source} (it reads {keyed}); an address needs no `ip=`")
+        if not value:
+            r.fail(where, f"expected {source_text}=VALUE, got {text!r}")
+        identities.add(f"{source}={value}")
+    if not networks and not identities:
+        r.fail(path, "expected at least one address, network or SOURCE=VALUE")
+    return Allowlist(networks=tuple(networks), identities=frozenset(identities))
+
+
+def _network(text: str) -> Any:
+    """An address or a network. `10.0.0.1/8` is refused, not read as 10.0.0.0/8: it may
+    have meant the one host, and would name sixteen million."""
+    try:
+        return ipaddress.ip_network(text, strict=True)
+    except ValueError as exc:
+        if "host bits set" in str(exc):
+            raise ValueError(f"{text!r} has host bits set; write the network, as in {ipaddress.ip_network(text, strict=False)}") from None
+        raise ValueError(f"expected an address or a network such as 10.0.0.0/8, got {text!r}") from None
+
+
+def _tiers(doc: Any, path: str, base: Limit, trusted: tuple[Any, ...], r: _Reader) -> Tiers:
+    """`tiers: {from: {file: F} or {header: H}, TIER: {rate, burst}, ...}`; the limit's own rate
+    and burst are the default tier's."""
+    if not isinstance(doc, dict):
+        r.fail(path, f"expected a mapping, got {_type_name(doc)}")
+    spec = r.mapping(doc, path, required=("from",), optional=tuple(k for k in doc if k != "from"))
+    limits = {}
+    for name, tier_doc in spec.items():
+        if name == "from":
+            continue
+        where = _join(path, str(name))
+        if not isinstance(name, str) or not _LIMIT_NAME_RE.match(name):
+            r.fail(where, "tier names may use letters, digits, '_', '-' and '.' only")
+        if name == "default":
+            r.fail(where, "the limit's own rate and burst are the default tier; name this tier otherwise")
+        tier_spec = r.mapping(tier_doc, where, required=("rate",), optional=("burst",))
+        rate, burst = _rate_and_burst(tier_spec, where, r)
+        # `/` is no limit name character, so LIMIT/TIER is no other limit's bucket.
+        limits[name] = dataclasses.replace(base, name=f"{base.name}/{name}", rate=rate, burst=burst)
+    if not limits:
+        r.fail(path, "expected at least one tier beside `from`")
+    origin = r.mapping(spec["from"], f"{path}.from", optional=("file", "header"))
+    if len(origin) != 1:
+        r.fail(f"{path}.from", "expected exactly one of file (API keys by tier) or header (set by a trusted proxy)")
+    if "header" in origin:
+        header = r.string(origin["header"], f"{path}.from.header")
+        if not _HTTP_TOKEN_RE.match(header):
+            r.fail(f"{path}.from.header", f"{header!r} is not a valid header name")
+        if header.lower() in UNKEYABLE_HEADERS:
+            r.fail(f"{path}.from.header", f"{header.lower()} is the gateway's or one hop's own; it names no tier")
+        if not trusted:
+            r.fail(
+                f"{path}.from.header",
+                "a tier header is believed only from trusted_proxies, and none are listed, so it would never be read",
+            )
+        return Tiers(limits=limits, header=header.lower())
+    file = r.string(origin["file"], f"{path}.from.file")
+    return Tiers(limits=limits, file=file, members=_tier_members(file, f"{path}.from.file", limits, r))
+
+
+def _tier_members(file: str, path: str, limits: Mapping[str, Limit], r: _Reader) -> dict[str, str]:
+    """The key file: `TIER: [KEY, sha256:HEX, ...]`, each key's sha256 hex -> its tier."""
+    try:
+        with open(file, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as exc:
+        r.fail(path, f"cannot read {file!r}: {exc.strerror}")
+    except UnicodeDecodeError:
+        r.fail(path, f"cannot read {file!r}: not UTF-8 text")
+    try:
+        document = yaml.load(text, Loader=_SafeLoaderRejectingDuplicates)
+    except yaml.YAMLError as exc:
+        r.fail(path, f"{file}: malformed YAML: {getattr(exc, 'problem', None) or str(exc).splitlines()[0]}")
+    inner = _Reader(f"{r.source}: {path}: {file}")
+    spec = inner.mapping(document or {}, "", optional=tuple(limits))
+    members: dict[str, str] = {}
+    for tier, keys in spec.items():
+        for i, key in enumerate(inner.sequence(keys, tier)):
+            where = f"{tier}[{i}]"
+            text = inner.string(key, where)
+            hashed = _SHA256_RE.match(text)
+            if text.startswith("sha256:") and not hashed:
+                inner.fail(where, "expected sha256: and the key's 64 hex digits, as `sha256sum` prints them")
+            digest = hashed.group(1).lower() if hashed else hashlib.sha256(text.encode()).hexdigest()
+            if digest in members:
+                inner.fail(where, f"this key is already in tier {members[digest]!r}")
+            members[digest] = tier
+    return members
+
+
+def _client_ip(doc: Any, trusted: tuple[Any, ...], r: _Reader) -> ClientIpStrategy:
+    spec = r.mapping(doc, "client_ip", optional=("header", "depth"))
+    if not trusted:
+        r.fail("client_ip", "the client's address is read from a header only when a trusted proxy sent it; list trusted_proxies")
+    text = spec.get("header", ClientIpHeader.X_FORWARDED_FOR.value)
+    header = _choice(ClientIpHeader, text.lower() if isinstance(text, str) else text, "client_ip.header", r)
+    depth = r.integer(spec["depth"], "client_ip.depth", minimum=1) if "depth" in spec else None
+    if depth is not None and header is ClientIpHeader.X_REAL_IP:
+        r.fail("client_ip.depth", "X-Real-IP holds one address; depth applies to X-Forwarded-For and Forwarded")
+    return ClientIpStrategy(header=header, depth=depth)
+
+
+def _route(
+    doc: Any, path: str, limits: Mapping[str, Limit | ConcurrencyLimit], targets: _SharedTargets, r: _Reader
+) -> Route:
     spec = r.mapping(
         doc,
         path,
         required=("match", "upstream"),
-        optional=("limits", "strip_prefix", "preserve_host", "allow_path_parameters", "timeout", "max_body_size"),
+        optional=(
+            "limits",
+            "strip_prefix",
+            "preserve_host",
+            "allow_path_parameters",
+            "timeout",
+            "max_body_size",
+            "request_headers",
+            "response_headers",
+        ),
     )
     match = _match(spec["match"], f"{path}.match", r)
-    upstream = r.string(spec["upstream"], f"{path}.upstream")
-    parts = urlsplit(upstream)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-        r.fail(f"{path}.upstream", f"expected an http:// or https:// URL with a host and no query, got {upstream!r}")
-    try:
-        _ = parts.port  # raises ValueError on a bad port
-    except ValueError:
-        r.fail(f"{path}.upstream", f"bad port in {upstream!r}")
-    route_limits: list[RouteLimit] = []
-    for i, item in enumerate(r.sequence(spec.get("limits", []), f"{path}.limits")):
-        route_limits.append(_route_limit(item, f"{path}.limits[{i}]", limits, r))
-    names = [rl.limit.name for rl in route_limits]
+    strip_prefix = r.boolean(spec.get("strip_prefix", False), f"{path}.strip_prefix")
+    if strip_prefix and match.form is not PathForm.PREFIX:
+        r.fail(f"{path}.strip_prefix", f"needs a prefix to strip: match.path, not match.{match.form.value}")
+    if isinstance(spec["upstream"], dict):
+        upstream: str | UpstreamPool = _pool(spec["upstream"], f"{path}.upstream", targets, r)
+    elif isinstance(spec["upstream"], list):
+        r.fail(f"{path}.upstream", "expected a URL, or a pool as {targets: [URL, ...]}, got a list")
+    else:
+        upstream = _upstream_url(spec["upstream"], f"{path}.upstream", r)
+    listed = [
+        _route_limit(item, f"{path}.limits[{i}]", limits, r)
+        for i, item in enumerate(r.sequence(spec.get("limits", []), f"{path}.limits"))
+    ]
+    route_limits = [entry for entry in listed if isinstance(entry, RouteLimit)]
+    concurrency = tuple(entry for entry in listed if isinstance(entry, ConcurrencyLimit))
+    names = [entry.name if isinstance(entry, ConcurrencyLimit) else entry.limit.name for entry in listed]
     if len(set(names)) != len(names):
         r.fail(f"{path}.limits", "a limit may appear only once per route")
     preserve_host = r.boolean(spec.get("preserve_host", False), f"{path}.preserve_host")
-    for i, rl in enumerate(route_limits):
-        if not preserve_host and any(s.kind == "header" and s.name == "host" for s in rl.limit.key):
+    for i, entry in enumerate(listed):
+        limit = entry if isinstance(entry, ConcurrencyLimit) else entry.limit
+        if not preserve_host and any(leaf.kind == "header" and leaf.name == "host" for s in limit.key for leaf in s.leaves):
             # The upstream would be charged one client and see another.
             r.fail(
                 f"{path}.limits[{i}]",
-                f"limit {rl.limit.name!r} reads header:Host, which this route replaces with the upstream's host; "
+                f"limit {limit.name!r} reads header:Host, which this route replaces with the upstream's host; "
                 "set preserve_host: true",
             )
-    timeout_doc = r.mapping(spec.get("timeout", {}), f"{path}.timeout", optional=("connect", "read", "queue"))
+    request_headers = _header_rules(
+        spec.get("request_headers", {}), f"{path}.request_headers", _UNREWRITABLE_REQUEST_HEADERS, r
+    )
+    rewritten = set(request_headers.remove) | {name.lower() for name, _ in request_headers.set + request_headers.add}
+    for i, rl in enumerate(route_limits):
+        for source in rl.limit.key:
+            read = {"header": source.name, "cookie": "cookie", "jwt": "authorization"}.get(source.kind)
+            if read in rewritten:
+                # The limit would charge the client by one value and the upstream see another.
+                r.fail(
+                    f"{path}.request_headers",
+                    f"rewrites {read}, which limit {rl.limit.name!r} (limits[{i}]) reads as its identity",
+                )
+    timeout_doc = r.mapping(spec.get("timeout", {}), f"{path}.timeout", optional=("connect", "read", "queue", "total"))
     timeout = UpstreamTimeout(
         connect=r.parsed(parse_duration, timeout_doc.get("connect", DEFAULT_CONNECT_TIMEOUT), f"{path}.timeout.connect"),
         read=r.parsed(parse_duration, timeout_doc.get("read", DEFAULT_READ_TIMEOUT), f"{path}.timeout.read"),
         queue=r.parsed(parse_duration, timeout_doc.get("queue", DEFAULT_QUEUE_TIMEOUT), f"{path}.timeout.queue"),
+        total=(
+            r.parsed(parse_duration, timeout_doc["total"], f"{path}.timeout.total") if "total" in timeout_doc else None
+        ),
     )
     max_body_size = spec.get("max_body_size")
     return Route(
         match=match,
-        upstream=upstream.rstrip("/"),
+        upstream=upstream,
         limits=tuple(route_limits),
-        strip_prefix=r.boolean(spec.get("strip_prefix", False), f"{path}.strip_prefix"),
+        strip_prefix=strip_prefix,
         preserve_host=preserve_host,
         timeout=timeout,
         allow_path_parameters=r.boolean(spec.get("allow_path_parameters", False), f"{path}.allow_path_parameters"),
         max_body_size=r.parsed(parse_size, max_body_size, f"{path}.max_body_size") if max_body_size is not None else None,
+        concurrency=concurrency,
+        request_headers=request_headers,
+        response_headers=_header_rules(
+            spec.get("response_headers", {}), f"{path}.response_headers", _UNREWRITABLE_RESPONSE_HEADERS, r
+        ),
+    )
+
+
+def _split_url(url: str, path: str, r: _Reader, *, shown: str | None = None) -> SplitResult:
+    """urlsplit, with its ValueError (an unclosed `[`, or a bracketed host that is no IPv6
+    address) made a config error."""
+    try:
+        return urlsplit(url)
+    except ValueError as exc:
+        r.fail(path, f"not a URL ({exc}): {shown or url!r}")
+
+
+def _upstream_url(value: Any, path: str, r: _Reader) -> str:
+    """An upstream base URL, without its trailing slash."""
+    url = r.string(value, path)
+    parts = _split_url(url, path, r)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        r.fail(path, f"expected an http:// or https:// URL with a host and no query, got {url!r}")
+    try:
+        _ = parts.port  # raises ValueError on a bad port
+    except ValueError:
+        r.fail(path, f"bad port in {url!r}")
+    return url.rstrip("/")
+
+
+class _SharedTargets:
+    """The targets seen so far in any route's pool. A target's health, ejection and load are
+    shared by every route that names it (gateway.proxy.upstream_pool), so a URL has one name,
+    one set of health and passive settings, and a name one URL: metrics stay unambiguous."""
+
+    def __init__(self) -> None:
+        self._by_url: dict[str, tuple[str, Target, UpstreamPool]] = {}
+        self._url_of: dict[str, tuple[str, str]] = {}  # name -> (url, YAML path)
+
+    def add(self, target: Target, pool: UpstreamPool, path: str, r: _Reader) -> None:
+        seen = self._by_url.get(target.url)
+        if seen is not None:
+            where, other, other_pool = seen
+            if other.name != target.name:
+                r.fail(path, f"{target.url} is named {other.name!r} at {where}; a target has one name")
+            if (other_pool.health, other_pool.passive) != (pool.health, pool.passive):
+                r.fail(
+                    path,
+                    f"{target.url} has other health or passive settings at {where}; every route naming a target "
+                    "shares its state, so they must match (a YAML anchor, &pool, shares one pool)",
+                )
+            return
+        named = self._url_of.get(target.name)
+        if named is not None:
+            r.fail(path, f"name {target.name!r} is already {named[0]} at {named[1]}; each target needs its own name")
+        self._by_url[target.url] = (path, target, pool)
+        self._url_of[target.name] = (target.url, path)
+
+
+def _pool(doc: Mapping[str, Any], path: str, shared: _SharedTargets, r: _Reader) -> UpstreamPool:
+    spec = r.mapping(doc, path, required=("targets",), optional=("balance", "health", "passive", "retries"))
+    items = r.sequence(spec["targets"], f"{path}.targets")
+    if not items:
+        r.fail(f"{path}.targets", "expected at least one target")
+    targets = tuple(_target(item, f"{path}.targets[{i}]", r) for i, item in enumerate(items))
+    for i, target in enumerate(targets):
+        if any(t.url == target.url for t in targets[:i]):
+            r.fail(f"{path}.targets[{i}]", f"{target.url} is listed twice; give it a weight instead")
+    balance = _choice(Balance, spec.get("balance", Balance.ROUND_ROBIN.value), f"{path}.balance", r)
+    passive_doc = spec.get("passive", {})
+    pool = UpstreamPool(
+        targets=targets,
+        balance=balance,
+        health=_health(spec["health"], f"{path}.health", r) if "health" in spec else None,
+        # YAML 1.1 reads a bare `off` as false: both turn passive ejection off.
+        passive=None if passive_doc is False or passive_doc == "off" else _passive(passive_doc, f"{path}.passive", r),
+        retries=r.integer(spec.get("retries", DEFAULT_RETRIES), f"{path}.retries", minimum=0),
+    )
+    for i, target in enumerate(targets):
+        shared.add(target, pool, f"{path}.targets[{i}]", r)
+    return pool
+
+
+def _target(item: Any, path: str, r: _Reader) -> Target:
+    if not isinstance(item, dict):
+        url = _upstream_url(item, path, r)
+        return Target(url=url, name=_address(url))
+    spec = r.mapping(item, path, required=("url",), optional=("weight", "name"))
+    url = _upstream_url(spec["url"], f"{path}.url", r)
+    name = spec.get("name", _address(url))
+    if not isinstance(name, str) or not _TARGET_NAME_RE.match(name):
+        r.fail(f"{path}.name", f"target names may use letters, digits and '_.:-[]' only, got {name!r}")
+    return Target(url=url, name=name, weight=r.integer(spec.get("weight", 1), f"{path}.weight", minimum=1))
+
+
+def _address(url: str) -> str:
+    """A target's default name: its host and port, as `10.0.0.5:9000` (the port its scheme implies if none)."""
+    parts = urlsplit(url)
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+    return f"{host}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+
+
+def _health(doc: Any, path: str, r: _Reader) -> HealthCheck:
+    spec = r.mapping(
+        doc, path, required=("path",), optional=("interval", "timeout", "unhealthy_after", "healthy_after")
+    )
+    check_path = r.string(spec["path"], f"{path}.path")
+    if not _HEALTH_PATH_RE.match(check_path):
+        r.fail(
+            f"{path}.path", f"expected a path starting with / without spaces or control characters, got {check_path!r}"
+        )
+    health = HealthCheck(
+        path=check_path,
+        interval=r.parsed(parse_duration, spec.get("interval", DEFAULT_HEALTH_INTERVAL), f"{path}.interval"),
+        timeout=r.parsed(parse_duration, spec.get("timeout", DEFAULT_HEALTH_TIMEOUT), f"{path}.timeout"),
+        unhealthy_after=r.integer(
+            spec.get("unhealthy_after", DEFAULT_UNHEALTHY_AFTER), f"{path}.unhealthy_after", minimum=1
+        ),
+        healthy_after=r.integer(spec.get("healthy_after", DEFAULT_HEALTHY_AFTER), f"{path}.healthy_after", minimum=1),
+    )
+    if health.timeout > health.interval:
+        r.fail(
+            f"{path}.timeout",
+            f"a check's timeout ({health.timeout:g}s) may not exceed its interval ({health.interval:g}s)",
+        )
+    return health
+
+
+def _passive(doc: Any, path: str, r: _Reader) -> PassiveEjection:
+    spec = r.mapping(doc, path, optional=("eject_after", "eject_for"))
+    return PassiveEjection(
+        eject_after=r.integer(spec.get("eject_after", DEFAULT_EJECT_AFTER), f"{path}.eject_after", minimum=1),
+        eject_for=r.parsed(parse_duration, spec.get("eject_for", DEFAULT_EJECT_FOR), f"{path}.eject_for"),
     )
 
 
 def _match(doc: Any, path: str, r: _Reader) -> Match:
-    spec = r.mapping(doc, path, required=("path",), optional=("methods", "host", "case_sensitive"))
-    prefix = r.string(spec["path"], f"{path}.path")
-    error = _route_path_error(prefix)
-    if error is not None:
-        r.fail(f"{path}.path", f"{error}, got {prefix!r}")
+    spec = r.mapping(
+        doc, path, optional=("path", "exact", "regex", "methods", "host", "case_sensitive", "headers", "query")
+    )
+    forms = [form for form in PathForm if form.value in spec]
+    if len(forms) != 1:
+        r.fail(path, "expected exactly one of path (a prefix), exact or regex")
+    form = forms[0]
+    where = f"{path}.{form.value}"
+    written = r.string(spec[form.value], where)
+    case_sensitive = r.boolean(spec.get("case_sensitive", True), f"{path}.case_sensitive")
+    regex = None
+    if form is PathForm.REGEX:
+        regex = r.parsed(lambda text: Regex.compile(text, case_sensitive=case_sensitive), written, where)
+    else:
+        error = _route_path_error(written)
+        if error is not None:
+            r.fail(where, f"{error}, got {written!r}")
+        if form is PathForm.PREFIX:
+            written = written.rstrip("/") or "/"
     methods = None
     if "methods" in spec:
         items = r.sequence(spec["methods"], f"{path}.methods")
         for i, method in enumerate(items):
             if not isinstance(method, str) or not _HTTP_TOKEN_RE.match(method):
                 r.fail(f"{path}.methods[{i}]", f"expected an HTTP method such as GET, got {method!r}")
+            if method.upper() == "CONNECT":
+                r.fail(f"{path}.methods[{i}]", "CONNECT is never routed: the gateway is a reverse proxy, not a tunnel")
+            if method.upper() not in ROUTABLE_METHODS:
+                r.fail(f"{path}.methods[{i}]", f"{method!r} is not a registered HTTP method (IANA), such as GET or POST")
+        if not items:
+            r.fail(f"{path}.methods", "an empty list matches no request; leave methods out to match every method")
         methods = frozenset(m.upper() for m in items)
     host = r.string(spec["host"], f"{path}.host").lower().rstrip(".") if "host" in spec else None
-    if host is not None and not _HOST_RE.match(host):
-        r.fail(f"{path}.host", f"expected a host name without a port, such as api.example.com, got {spec['host']!r}")
-    case_sensitive = r.boolean(spec.get("case_sensitive", True), f"{path}.case_sensitive")
-    return Match(path=prefix.rstrip("/") or "/", methods=methods, host=host, case_sensitive=case_sensitive)
+    if host is not None and not _HOST_RE.match(host.removeprefix(_WILDCARD_HOST_PREFIX)):
+        r.fail(
+            f"{path}.host",
+            f"expected a host name without a port, such as api.example.com or *.example.com, got {spec['host']!r}",
+        )
+    return Match(
+        path=written,
+        form=form,
+        regex=regex,
+        methods=methods,
+        host=host,
+        case_sensitive=case_sensitive,
+        headers=_value_matches(spec.get("headers", {}), f"{path}.headers", "header", r),
+        query=_value_matches(spec.get("query", {}), f"{path}.query", "query parameter", r),
+    )
+
+
+def _value_matches(doc: Any, path: str, kind: str, r: _Reader) -> tuple[ValueMatch, ...]:
+    """`{NAME: "v"}` (exactly v), `{NAME: {present: true|false}}`, `{NAME: {exact: "v"}}` or
+    `{NAME: {regex: "..."}}`, for each header (names compared case-insensitively) or query parameter."""
+    if not isinstance(doc, dict):
+        r.fail(path, f"expected a mapping of {kind} names, got {_type_name(doc)}")
+    matches: dict[str, ValueMatch] = {}
+    for name, value in doc.items():
+        where = _join(path, str(name))
+        if not isinstance(name, str) or not name or (kind == "header" and not _HTTP_TOKEN_RE.match(name)):
+            r.fail(where, f"{name!r} is not a valid {kind} name")
+        key = name.lower() if kind == "header" else name
+        if key in matches:
+            r.fail(where, f"{kind} {name!r} is given twice (header names ignore case)")
+        if isinstance(value, str):
+            matches[key] = ValueMatch(name=key, exact=value)
+            continue
+        if not isinstance(value, dict):
+            r.fail(
+                where,
+                "expected a string (the exact value) or {present: true|false}, {exact: ...} or {regex: ...}, "
+                f"got {_type_name(value)}",
+            )
+        form = r.mapping(value, where, optional=("present", "exact", "regex"))
+        if len(form) != 1:
+            r.fail(where, "expected exactly one of present, exact or regex")
+        if "present" in form:
+            matches[key] = ValueMatch(name=key, present=r.boolean(form["present"], f"{where}.present"))
+        elif "exact" in form:
+            exact = form["exact"]
+            if not isinstance(exact, str):
+                r.fail(f"{where}.exact", f"expected a string (quote numbers: \"2\"), got {_type_name(exact)}")
+            matches[key] = ValueMatch(name=key, exact=exact)
+        else:
+            pattern = r.string(form["regex"], f"{where}.regex")
+            matches[key] = ValueMatch(name=key, regex=r.parsed(Regex.compile, pattern, f"{where}.regex"))
+    return tuple(matches.values())
+
+
+def _header_rules(doc: Any, path: str, unrewritable: frozenset[str], r: _Reader) -> HeaderRules:
+    """A route's `request_headers` or `response_headers`: `set` and `add` map names to values,
+    `remove` lists names; a name may appear in only one of them."""
+    spec = r.mapping(doc, path, optional=("set", "add", "remove"))
+    seen: set[str] = set()
+
+    def name_at(name: Any, where: str) -> str:
+        if not isinstance(name, str) or not _HTTP_TOKEN_RE.match(name):
+            r.fail(where, f"{name!r} is not a valid header name")
+        lower = name.lower()
+        if lower in unrewritable:
+            r.fail(
+                where,
+                f"{name} is the gateway's to write (hop-by-hop, framing, forwarding, request id or rate-limit fields); "
+                "a route may not rewrite it",
+            )
+        if lower in seen:
+            r.fail(where, f"{name} is named more than once in set, add and remove (header names ignore case)")
+        seen.add(lower)
+        return lower
+
+    def pairs(key: str) -> tuple[tuple[str, str], ...]:
+        items = spec.get(key, {})
+        if not isinstance(items, dict):
+            r.fail(f"{path}.{key}", f"expected a mapping of header names to values, got {_type_name(items)}")
+        out = []
+        for name, value in items.items():
+            where = _join(f"{path}.{key}", str(name))
+            name_at(name, where)
+            if not isinstance(value, str):
+                r.fail(where, f"expected a string (quote numbers: \"2\"), got {_type_name(value)}")
+            if not _HEADER_VALUE_RE.fullmatch(value):
+                r.fail(where, f"a header value may hold visible ASCII, with spaces and tabs inside only, got {value!r}")
+            out.append((name, value))
+        return tuple(out)
+
+    rules_set, rules_add = pairs("set"), pairs("add")
+    removed = r.sequence(spec.get("remove", []), f"{path}.remove")
+    remove = tuple(name_at(name, f"{path}.remove[{i}]") for i, name in enumerate(removed))
+    return HeaderRules(set=rules_set, add=rules_add, remove=remove)
 
 
 def _route_path_error(path: str) -> str | None:
@@ -665,7 +1366,9 @@ def _route_path_error(path: str) -> str | None:
     return None
 
 
-def _route_limit(item: Any, path: str, limits: Mapping[str, Limit], r: _Reader) -> RouteLimit:
+def _route_limit(
+    item: Any, path: str, limits: Mapping[str, Limit | ConcurrencyLimit], r: _Reader
+) -> RouteLimit | ConcurrencyLimit:
     if isinstance(item, str):
         name, cost, name_path = item, 1, path
     elif not isinstance(item, dict):
@@ -678,8 +1381,18 @@ def _route_limit(item: Any, path: str, limits: Mapping[str, Limit], r: _Reader) 
         defined = ", ".join(limits) or "none"
         r.fail(name_path, f"no limit named {name!r} is defined under `limits` (defined: {defined})")
     limit = limits[name]
+    if isinstance(limit, ConcurrencyLimit):
+        if cost != 1:
+            r.fail(f"{path}.cost", f"limit {name!r} counts requests in flight, one each; a cost does not apply")
+        return limit
     if cost > limit.burst:
         r.fail(f"{path}.cost", f"cost {cost} is greater than the burst {limit.burst:g} of limit {name!r}; it could never pass")
+    for tier in limit.tiers.limits.values() if limit.tiers else ():
+        if cost > tier.burst:
+            r.fail(
+                f"{path}.cost",
+                f"cost {cost} is greater than the burst {tier.burst:g} of tier {tier.name!r}; its clients could never pass",
+            )
     return RouteLimit(limit=limit, cost=cost)
 
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.config.body_template import BodyTemplate
+from gateway.config.regex import Regex
 from gateway.config.units import Address, Rate
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -64,14 +67,54 @@ class PathNormalization:
 
 @dataclass(frozen=True, kw_only=True)
 class IdentitySource:
-    """Where a client identity comes from: the peer address, a named header, query or cookie,
-    or a claim of a verified JWT."""
+    """Where a client identity comes from: the peer address (or its network), a named header,
+    query or cookie, a claim of a verified JWT, the matched route's path, the Host, the method,
+    nothing at all (`global`: one bucket for every client), or several of these at once
+    (`composite`: one bucket per combination of its `parts`)."""
 
-    kind: str  # "ip" | "header" | "query" | "cookie" | "jwt"
+    # "ip" | "header" | "query" | "cookie" | "jwt" | "path" | "host" | "method" | "global" | "composite"
+    kind: str
     name: str = ""  # header names lower case; for "jwt", the claim
+    ipv4_prefix: int = 32  # "ip": clients are grouped by their network of this many leading bits
+    ipv6_prefix: int = 128
+    parts: tuple[IdentitySource, ...] = ()  # "composite": all present, or the entry is absent
 
     def __str__(self) -> str:
-        return self.kind if self.kind == "ip" else f"{self.kind}:{self.name}"
+        if self.kind == "composite":
+            return "+".join(str(part) for part in self.parts)
+        if self.kind == "ip":
+            if self.ipv6_prefix != 128:
+                return f"ip/{self.ipv4_prefix},{self.ipv6_prefix}"
+            return "ip" if self.ipv4_prefix == 32 else f"ip/{self.ipv4_prefix}"
+        return f"{self.kind}:{self.name}" if self.name else self.kind
+
+    @property
+    def leaves(self) -> tuple[IdentitySource, ...]:
+        """The single sources this one reads: its parts, or itself."""
+        return self.parts or (self,)
+
+    @property
+    def always_present(self) -> bool:
+        """Every request has a value for it, so a key listing it never falls back to the address."""
+        return all(leaf.kind in ("ip", "global", "path", "method") for leaf in self.leaves)
+
+
+class ClientIpHeader(enum.Enum):
+    """The header a trusted proxy writes the client's address in."""
+
+    X_FORWARDED_FOR = "x-forwarded-for"
+    X_REAL_IP = "x-real-ip"  # one address, nginx's realip convention
+    FORWARDED = "forwarded"  # RFC 7239: the `for=` parameter of each element
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientIpStrategy:
+    """How the client's address is read from a trusted proxy's header (Traefik's ipStrategy).
+    `depth` None: right to left, skipping trusted proxies; N: the N-th address from the right,
+    whatever it is, for a chain of N trusted hops whose addresses are not known in advance."""
+
+    header: ClientIpHeader = ClientIpHeader.X_FORWARDED_FOR
+    depth: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,14 +135,82 @@ class JwtConfig:
     on_invalid: JwtFailure
 
 
+# Leased tokens a process has not spent lapse after this long. The fleet's under-admission
+# is at most `lease` tokens per process per lapse; one second keeps that small and still
+# lets a busy process spend a lease many times over.
+DEFAULT_LEASE_LAPSE = 1.0
+# Of a `response.body` that names no content_type.
+DEFAULT_BODY_CONTENT_TYPE = "text/plain; charset=utf-8"
+
+
+class HeaderStyle(enum.Enum):
+    """How a limit is advertised on the responses of its routes."""
+
+    IETF = "ietf"  # RateLimit-Policy and RateLimit (draft-ietf-httpapi-ratelimit-headers)
+    X_RATELIMIT = "x-ratelimit"  # X-RateLimit-Limit, -Remaining, -Reset, as GitHub and Kong send them
+    NONE = "none"  # not advertised; a rejection still carries Retry-After
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResponseStyle:
+    """What a limit's rejections look like, and how its routes advertise it."""
+
+    status: int = 429  # of a rejection over the limit: 429 or 503
+    headers: HeaderStyle = HeaderStyle.IETF
+    body: BodyTemplate | None = None  # None: the problem+json body
+    content_type: str = DEFAULT_BODY_CONTENT_TYPE  # of `body`
+
+
+@dataclass(frozen=True, kw_only=True)
+class Quota:
+    """A fixed-window quota: `limit` per `per` window, the windows starting at `reset`
+    seconds past midnight UTC (see gateway.limiter.quota)."""
+
+    limit: int
+    per: str  # "hour" | "day" | "week" | "month"
+    reset: float  # seconds into the UTC day at which windows start
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tiers:
+    """A limit's tiers: where a client's tier is read from, and each tier's limit (named
+    `LIMIT/TIER`, so its buckets are apart from the default tier's and from each other's)."""
+
+    limits: Mapping[str, Limit] = field(compare=False)  # tier name -> its limit
+    header: str | None = None  # lower case; believed only from a trusted proxy
+    file: str | None = None
+    # sha256 hex of a key value -> its tier, from `file`
+    members: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Allowlist:
+    """Clients a limit never applies to: by address, or by identity ("source=value")."""
+
+    networks: tuple[IPNetwork, ...] = ()
+    identities: frozenset[str] = frozenset()
+
+
 @dataclass(frozen=True, kw_only=True)
 class Limit:
+    """A token bucket (`rate`, `burst`), or a fixed-window `quota`. A quota's `rate` and
+    `burst` describe it, its limit per window, for headers, validation and display;
+    the store counts it in windows."""
+
     name: str
     rate: Rate
     burst: float
     key: tuple[IdentitySource, ...]
     on_store_error: FailurePolicy
     shadow: bool = False  # checked and charged, counted as shadow_limited, but never rejects
+    response: ResponseStyle = ResponseStyle()
+    lease: int = 0  # tokens a gateway process takes from the shared bucket at once; 0: none
+    lease_lapse: float = DEFAULT_LEASE_LAPSE  # seconds after which unspent leased tokens lapse
+    # `mode: delay`: the longest a request waits to be admitted instead of rejected; 0 rejects.
+    max_delay: float = 0.0
+    quota: Quota | None = None
+    tiers: Tiers | None = None  # the rate and burst above are then the default tier's
+    allow: Allowlist | None = None
 
     @property
     def refill_seconds(self) -> float:
@@ -108,17 +219,68 @@ class Limit:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ConcurrencyLimit:
+    """`concurrency: N`: at most N requests of one identity in flight across the fleet
+    (nginx's limit_conn). Its own kind of limit, beside the token buckets: each request
+    holds a lease from its start until its response ends (gateway.limiter.concurrency)."""
+
+    name: str
+    concurrency: int
+    lease_ttl: float  # seconds a lease outlives a gateway that died holding it; renewed meanwhile
+    key: tuple[IdentitySource, ...]
+    on_store_error: FailurePolicy
+
+
+@dataclass(frozen=True, kw_only=True)
 class RouteLimit:
     limit: Limit
     cost: int
 
 
+class PathForm(enum.Enum):
+    """How a route's `match` compares the request path (see gateway.proxy.routing)."""
+
+    PREFIX = "path"  # a prefix on whole segments
+    EXACT = "exact"
+    REGEX = "regex"  # the whole path, by RE2
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValueMatch:
+    """What one request header or query parameter must be for a route to take the request."""
+
+    name: str  # header names lower case
+    present: bool = True  # False: the route takes only requests without it
+    exact: str | None = None
+    regex: Regex | None = None
+
+    def __str__(self) -> str:
+        if not self.present:
+            return f"!{self.name}"
+        if self.exact is not None:
+            return f"{self.name}={self.exact}"
+        return f"{self.name}~{self.regex}" if self.regex is not None else self.name
+
+
 @dataclass(frozen=True, kw_only=True)
 class Match:
-    path: str
+    path: str  # as written: the prefix (without a trailing slash), the exact path or the regex
+    form: PathForm = PathForm.PREFIX
+    regex: Regex | None = None  # `path` compiled, for PathForm.REGEX
     methods: frozenset[str] | None = None
-    host: str | None = None
+    host: str | None = None  # "*.example.com": any name of one or more labels under example.com
     case_sensitive: bool = True
+    headers: tuple[ValueMatch, ...] = ()
+    query: tuple[ValueMatch, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeaderRules:
+    """A route's rewrite of the headers of one direction: `remove`, then `set`, then `add`."""
+
+    set: tuple[tuple[str, str], ...] = ()
+    add: tuple[tuple[str, str], ...] = ()
+    remove: tuple[str, ...] = ()  # lower case
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,24 +288,84 @@ class UpstreamTimeout:
     connect: float
     read: float
     queue: float = 1.0  # waiting for a free connection to the upstream; exceeded gives 503
+    total: float | None = None  # the whole upstream exchange, retries and response body included
+
+
+class Balance(enum.Enum):
+    """How a pool picks the target of a request (see gateway.proxy.upstream_pool)."""
+
+    ROUND_ROBIN = "round_robin"  # nginx's smooth weighted round robin
+    LEAST_REQUESTS = "least_requests"  # fewest requests in flight for its weight
+    RANDOM_TWO_CHOICES = "random_two_choices"  # the less busy of two drawn by weight
+
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    url: str  # base URL, without a trailing slash
+    name: str  # its label in metrics and logs: as configured, else its host:port
+    weight: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthCheck:
+    """Active checks: a GET of `path` on each target every `interval`."""
+
+    path: str
+    interval: float
+    timeout: float
+    unhealthy_after: int  # consecutive failed checks that take a target out of rotation
+    healthy_after: int  # consecutive passed checks that bring it back
+
+
+@dataclass(frozen=True, kw_only=True)
+class PassiveEjection:
+    eject_after: int  # consecutive connection errors or 5xx answers
+    eject_for: float  # seconds out of rotation
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpstreamPool:
+    targets: tuple[Target, ...]
+    balance: Balance
+    health: HealthCheck | None
+    passive: PassiveEjection | None
+    retries: int  # further targets tried after a connect failure
+
+    def __str__(self) -> str:
+        """As `gateway check` shows it."""
+        targets = ", ".join(t.url + (f" (weight {t.weight})" if t.weight != 1 else "") for t in self.targets)
+        parts = [f"{self.balance.value} over {targets}", f"retries {self.retries}"]
+        if self.health is not None:
+            parts.append(f"health {self.health.path} every {self.health.interval:g}s")
+        if self.passive is not None:
+            parts.append(f"eject after {self.passive.eject_after} failures for {self.passive.eject_for:g}s")
+        return "; ".join(parts)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Route:
     match: Match
-    upstream: str
+    upstream: str | UpstreamPool  # a base URL without a trailing slash, or a pool of them
     limits: tuple[RouteLimit, ...]
     strip_prefix: bool
     preserve_host: bool
     timeout: UpstreamTimeout
     allow_path_parameters: bool = False  # `;` parameters in the path; refused with 400 otherwise
     max_body_size: int | None = None  # bytes of request body; more is refused with 413, before the upstream hears of it
+    concurrency: tuple[ConcurrencyLimit, ...] = ()  # the route's concurrency limits, after its rate limits
+    request_headers: HeaderRules = HeaderRules()
+    response_headers: HeaderRules = HeaderRules()
 
     @property
     def label(self) -> str:
-        """The route's name in metrics: its prefix and methods, never anything a client chose."""
-        methods = " " + ",".join(sorted(self.match.methods)) if self.match.methods else ""
-        return f"{self.match.host or ''}{self.match.path}{methods}"
+        """The route's name in metrics: its match as configured, never anything a client chose.
+        A prefix route is its host, prefix and methods; an exact path is marked `=`, a regex
+        `~` (as nginx writes its locations), and header and query conditions follow."""
+        match = self.match
+        methods = " " + ",".join(sorted(match.methods)) if match.methods else ""
+        form = {PathForm.PREFIX: "", PathForm.EXACT: "=", PathForm.REGEX: "~"}[match.form]
+        conditions = "".join(f" header:{c}" for c in match.headers) + "".join(f" query:{c}" for c in match.query)
+        return f"{match.host or ''}{form}{match.path}{methods}{conditions}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,4 +424,15 @@ class GatewayConfig:
     # instead of hashed. Off by default: they are often credentials.
     admin_raw_identities: bool = False
     clients: ClientLimits = ClientLimits()
+    access_log: str | None = None  # "text" or "json": one line per request on stdout; None: off
     upstream_connections: int = 1000  # per upstream and worker process; more requests wait up to timeout.queue
+    concurrency_limits: tuple[ConcurrencyLimit, ...] = ()
+    max_delayed: int = 256  # requests one worker process holds waiting out a `mode: delay` wait; more are rejected
+    client_ip: ClientIpStrategy = ClientIpStrategy()  # how a trusted proxy's header names the client
+
+    @property
+    def local_divisor(self) -> int:
+        """What one process divides a limit by when it decides in process for a store that is
+        down (`on_store_error: local`): `store.local_divisor` counts gateway instances, and
+        each of an instance's `workers` keeps a stand-in bucket of its own."""
+        return (self.store.local_divisor if self.store else 1) * self.workers

@@ -12,11 +12,18 @@ import re
 from dataclasses import dataclass
 
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_PERIOD_WORDS = {"second": 1.0, "minute": 60.0, "hour": 3600.0, "day": 86400.0}
+# A month is 30 days and a year 365: a rate is a steady refill, so its period has one
+# length (calendar months and years are what `quota` windows are for).
+DAY_SECONDS = 86400.0
+_PERIOD_WORDS = {
+    "second": 1.0, "minute": 60.0, "hour": 3600.0, "day": DAY_SECONDS,
+    "month": 30 * DAY_SECONDS, "year": 365 * DAY_SECONDS,
+}
 # ASCII only: \d would otherwise accept digits such as '٣' or '²'.
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$", re.ASCII)
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$", re.ASCII)
 _UNIT_BYTES = {None: 1, "B": 1, "KB": 1000, "KiB": 1024, "MB": 1000**2, "MiB": 1024**2, "GB": 1000**3, "GiB": 1024**3}
+_TIME_OF_DAY_RE = re.compile(r"^\s*([01]\d|2[0-3]):([0-5]\d)(?:\s+UTC)?\s*$", re.ASCII)
 _RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(\S+)\s*$", re.ASCII)
 
 
@@ -70,8 +77,9 @@ def parse_size(value: object) -> int:
 
 
 def parse_rate(value: object) -> Rate:
-    """'100/minute', '5/second', '1/hour', '10/day', '100/10s', '3/500ms' -> Rate."""
-    expected = "expected a rate such as 100/minute, 5/second, 100/10s or 3/500ms"
+    """'100/minute', '5/second', '1/hour', '10/day', '1000/month' (30 days), '5000/year' (365 days),
+    '100/10s', '3/500ms' -> Rate."""
+    expected = "expected a rate such as 100/minute, 5/second, 1000/month, 100/10s or 3/500ms"
     if isinstance(value, bool) or not isinstance(value, str):
         raise ValueError(f"{expected}, got {value!r}")
     match = _RATE_RE.match(value)
@@ -89,6 +97,13 @@ def parse_rate(value: object) -> Rate:
     if tokens <= 0:
         raise ValueError(f"expected a rate greater than zero, got {value!r}")
     return Rate(tokens=tokens, period_seconds=seconds, text=value.strip())
+
+
+def parse_time_of_day(value: object) -> float:
+    """'00:00 UTC', '13:30 UTC' or '13:30' -> seconds after midnight UTC."""
+    if not isinstance(value, str) or not (match := _TIME_OF_DAY_RE.match(value)):
+        raise ValueError(f"expected a time of day in UTC such as \"00:00 UTC\" or \"13:30 UTC\", got {value!r}")
+    return int(match.group(1)) * 3600.0 + int(match.group(2)) * 60.0
 
 
 def parse_address(value: object) -> Address:

@@ -5,6 +5,20 @@ at `rate` tokens per second up to `capacity`. A request of several limits is
 all-or-nothing: it is allowed only if every bucket holds at least its cost, and
 only then is every bucket charged. `lua/token_bucket.lua` is the same model in
 milliseconds, and the shared store tests hold both to it.
+
+A lease (`lease`, carried by `lua/token_lease.lua`) takes several whole tokens
+from one bucket at once, for a gateway to spend locally: as many as it wants or
+the bucket holds, whichever is fewer, but never fewer than the cost. Taking
+exactly the cost is `check` of that one bucket.
+
+Shaping (`mode: delay`): a bucket may owe up to `debt` tokens (max_delay × rate).
+A request it cannot pay now, but could within its debt, is charged now, taking
+the bucket below zero, and told to `wait` until the tokens it took would have
+refilled. Each later request finds a deeper debt and waits longer, so the
+requests released after their waits are exactly those a plain bucket admits.
+
+A request's limits may also include fixed-window quotas (`gateway.limiter.quota`),
+checked and charged in the same all-or-nothing step.
 """
 
 from __future__ import annotations
@@ -12,6 +26,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from gateway.limiter import quota
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +41,7 @@ class BucketSpec:
     capacity: float
     rate: float  # tokens per second
     cost: float
+    debt: float = 0.0  # tokens the bucket may owe: max_delay × rate; 0 rejects what it cannot pay now
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +49,11 @@ class Outcome:
     """The result of one all-or-nothing check over several buckets."""
 
     allowed: bool
-    remaining: tuple[float, ...]  # per bucket: after the charge if allowed, else as found
-    retry_after: float  # seconds until every bucket could pay; 0 when allowed, inf if never
-    states: tuple[BucketState, ...]  # the states to store back (unchanged ones when denied)
+    remaining: tuple[float, ...]  # per limit: after the charge if allowed, else as found (a quota: its limit less its count)
+    retry_after: float  # seconds until every limit could pay; 0 when allowed, inf if never
+    states: tuple[BucketState | quota.QuotaState, ...]  # the states to store back (unchanged ones when denied)
+    wait: float = 0.0  # when allowed: how long the request waits before it goes on (shaping)
+    resets: tuple[float | None, ...] = ()  # per limit: a quota's time until its window ends, None for a bucket
 
 
 def refill(state: BucketState | None, spec: BucketSpec, now: float) -> BucketState:
@@ -46,19 +65,95 @@ def refill(state: BucketState | None, spec: BucketSpec, now: float) -> BucketSta
     return BucketState(tokens=tokens, stamp=max(state.stamp, now))
 
 
-def check(states: Sequence[BucketState | None], specs: Sequence[BucketSpec], now: float) -> Outcome:
-    """Check every bucket, then charge all of them only if all allow."""
-    current = [refill(state, spec, now) for state, spec in zip(states, specs, strict=True)]
-    short = [(state, spec) for state, spec in zip(current, specs) if state.tokens < spec.cost]
-    if short:
+Spec = BucketSpec | quota.QuotaSpec
+State = BucketState | quota.QuotaState
+
+
+def check(
+    states: Sequence[State | None],
+    specs: Sequence[Spec],
+    now: float,
+    *,
+    quota_now: float | None = None,
+    quota_unit: float = 1.0,
+) -> Outcome:
+    """Check every limit, then charge all of them only if all allow (or, for a bucket that
+    may owe, allow after a wait). `now` is in the unit of the rates. Quotas are counted at
+    `quota_now` (default `now`), in milliseconds since the epoch, `quota_unit` of them
+    to one unit of `now` (the script runs in milliseconds: 1; the in-process store in
+    seconds: 1000)."""
+    wall = now if quota_now is None else quota_now
+    found: list[tuple[float, State, float | None]] = []  # (balance, state as of now, time to its reset)
+    retry = wait = 0.0
+    allowed = True
+    for state, spec in zip(states, specs, strict=True):
+        if isinstance(spec, quota.QuotaSpec):
+            count, start, end = quota.used(state, spec, wall)  # type: ignore[arg-type]
+            reset = (end - wall) / quota_unit
+            found.append((spec.limit - count, quota.QuotaState(count=count, start=start), reset))
+            if count + spec.cost > spec.limit:
+                allowed = False
+                retry = max(retry, math.inf if spec.cost > spec.limit else reset)
+            continue
+        current = refill(state, spec, now)  # type: ignore[arg-type]
+        found.append((current.tokens, current, None))
+        if current.tokens < spec.cost:
+            until = seconds_until_affordable(current, spec, now)
+            if math.isinf(until) or current.tokens - spec.cost < -spec.debt:
+                allowed = False
+                # A bucket that may owe admits again once the debt would cover the rest.
+                retry = max(retry, max(0.0, until - spec.debt / spec.rate))
+            else:
+                wait = max(wait, until)
+    resets = tuple(reset for _, _, reset in found)
+    if not allowed:
         return Outcome(
             allowed=False,
-            remaining=tuple(s.tokens for s in current),
-            retry_after=max(seconds_until_affordable(state, spec, now) for state, spec in short),
-            states=tuple(current),
+            remaining=tuple(balance for balance, _, _ in found),
+            retry_after=retry,
+            states=tuple(state for _, state, _ in found),
+            resets=resets,
         )
-    charged = tuple(BucketState(tokens=s.tokens - spec.cost, stamp=s.stamp) for s, spec in zip(current, specs))
-    return Outcome(allowed=True, remaining=tuple(s.tokens for s in charged), retry_after=0.0, states=charged)
+    return Outcome(
+        allowed=True,
+        remaining=tuple(balance - spec.cost for (balance, _, _), spec in zip(found, specs)),
+        retry_after=0.0,
+        states=tuple(_charged(state, spec) for (_, state, _), spec in zip(found, specs)),
+        wait=wait,
+        resets=resets,
+    )
+
+
+def _charged(state: State, spec: Spec) -> State:
+    if isinstance(state, quota.QuotaState):
+        return quota.QuotaState(count=state.count + spec.cost, start=state.start)
+    return BucketState(tokens=state.tokens - spec.cost, stamp=state.stamp)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseOutcome:
+    allowed: bool
+    granted: int  # whole tokens taken: at least the cost when allowed, 0 when denied
+    remaining: float  # after the grant if allowed, else as found
+    retry_after: float  # seconds until the bucket could pay the cost; 0 when allowed, inf if never
+    state: BucketState  # the state to store back
+
+
+def lease(state: BucketState | None, spec: BucketSpec, want: int, now: float) -> LeaseOutcome:
+    """Take min(want, whole tokens held) tokens, and at least `spec.cost`, or deny if the
+    bucket holds less than the cost. `spec.cost` is a whole number."""
+    current = refill(state, spec, now)
+    if current.tokens < spec.cost:
+        return LeaseOutcome(
+            allowed=False,
+            granted=0,
+            remaining=current.tokens,
+            retry_after=seconds_until_affordable(current, spec, now),
+            state=current,
+        )
+    granted = max(int(spec.cost), min(want, math.floor(current.tokens)))
+    after = BucketState(tokens=current.tokens - granted, stamp=current.stamp)
+    return LeaseOutcome(allowed=True, granted=granted, remaining=after.tokens, retry_after=0.0, state=after)
 
 
 def seconds_until_affordable(state: BucketState, spec: BucketSpec, now: float) -> float:

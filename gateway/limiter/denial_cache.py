@@ -8,11 +8,19 @@ tokens away, and a bucket expires only once it would be full anyway. So until th
 without asking the store, and a client flooding far over its limit costs the
 store almost nothing.
 
+A limit that shapes (`mode: delay`) admits a request once the bucket's debt
+would cover the rest, `max_delay` sooner than it could pay outright: its
+denial ends that much sooner, and a bucket short by no more than its debt is
+not denied at all. A quota (a fixed window) refills nothing until its window
+ends: its denial lasts until then, as the store's clock measured it, from the
+time the check was sent.
+
 Exact as long as nobody deletes a bucket behind the gateway's back and the
 store's clock is not stepped forward. A store that gives tokens back (a Redis
 Cluster refunds a check that another slot denied) breaks the premise that
 others only take tokens away: there a denial is held at most `max_hold`, so a
-bucket a refund refilled is under-admitted for that long at most. Two details keep it exact:
+bucket a refund refilled is under-admitted for that long at most. So is a leased
+limit's (`lease: N`) on any store, since a lease gives back tokens it cannot keep. Two details keep it exact:
 - A denial is keyed by bucket and cost: a smaller cost on the same bucket may
   pass sooner.
 - Its clock starts when the check was sent, which is before the store ran it,
@@ -42,10 +50,17 @@ ROUNDING_MARGIN = 0.001
 REFUNDING_STORE_MAX_HOLD = 0.05
 
 
-def denied_until(*, sent_at: float, remaining: float, limit: Limit, cost: int) -> float:
-    """The earliest moment a request of `cost` could pass a bucket that held `remaining`
-    tokens when a check sent at `sent_at` found it short, less the safety margins."""
-    wait = (cost - remaining) / limit.rate.per_second
+def could_pass_in(*, remaining: float, limit: Limit, cost: int, reset: float | None = None) -> float:
+    """Seconds from the check until a request of `cost` could pass a bucket that held
+    `remaining` tokens (a quota: `reset` seconds until its window ends), by the store's clock."""
+    if limit.quota is not None:
+        return reset if reset is not None else 0.0
+    return (cost - remaining) / limit.rate.per_second - limit.max_delay
+
+
+def held_until(sent_at: float, wait: float) -> float:
+    """When a denial that the store measured as `wait` seconds from a check sent at `sent_at`
+    stops being answered locally: that much sooner by the safety margins."""
     return sent_at + wait * (1 - CLOCK_RATE_MARGIN) - ROUNDING_MARGIN
 
 
@@ -53,16 +68,19 @@ def denied_until(*, sent_at: float, remaining: float, limit: Limit, cost: int) -
 class CachedDenial:
     index: int  # which of the request's checks is denied
     remaining: float  # that bucket's tokens now, as refilled since the denial
-    retry_after: float  # seconds until the cached denial ends
+    retry_after: float  # seconds until the store expects the request could pass, as it would advertise
+    expires_in: float  # seconds until the cached denial ends: sooner, by the margins (and `max_hold`)
 
 
 class DenialCache:
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, *, max_hold: float = float("inf")) -> None:
         self._max_entries = max_entries
         self._max_hold = max_hold
-        # (limit name, identity, cost) -> (limit, until, remaining, sent_at). The limit
-        # object itself is kept so that one replaced by a reload never matches.
-        self._entries: dict[tuple[str, str, int], tuple[Limit, float, float, float]] = {}
+        # (limit name, identity, cost) -> (limit, until, remaining, sent_at, passes_at). The
+        # limit itself is kept so that one a reload changed never matches; an unchanged one
+        # (equal, though a new object) takes the entry over on first use. `until`
+        # ends the hold; `passes_at`, without the margins, is what a Retry-After advertises.
+        self._entries: dict[tuple[str, str, int], tuple[Limit, float, float, float, float]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -78,19 +96,29 @@ class DenialCache:
             entry = entries.get(key)
             if entry is None:
                 continue
-            cached_limit, until, remaining, sent_at = entry
-            if cached_limit is not limit or until <= now:
+            cached_limit, until, remaining, sent_at, passes_at = entry
+            if cached_limit is not limit:
+                if cached_limit != limit:
+                    del entries[key]
+                    continue
+                entries[key] = (limit, *entry[1:])  # the same limit, reloaded
+            if until <= now:
                 del entries[key]
                 continue
             # Below `cost` until `until`, which the margins place before it could pay.
-            refilled = remaining + (now - sent_at) * limit.rate.per_second
-            return CachedDenial(index=index, remaining=refilled, retry_after=until - now)
+            refilled = remaining if limit.quota is not None else remaining + (now - sent_at) * limit.rate.per_second
+            return CachedDenial(index=index, remaining=refilled, retry_after=passes_at - now, expires_in=until - now)
         return None
 
-    def held_for(self, limit_name: str, identity: str, now: float) -> float:
+    def held_for(self, limit: Limit, identity: str, now: float) -> float:
         """How long the longest cached denial of one bucket, of any cost, still lasts; 0 if none.
-        Scans every entry: for the admin API, never the request path."""
-        ends = [entry[1] for key, entry in self._entries.items() if key[0] == limit_name and key[1] == identity]
+        Only denials `lookup` would answer count: one cached for a limit a reload changed is
+        not. Scans every entry: for the admin API, never the request path."""
+        ends = [
+            entry[1]
+            for key, entry in self._entries.items()
+            if key[0] == limit.name and key[1] == identity and (entry[0] is limit or entry[0] == limit)
+        ]
         return max([until - now for until in ends if until > now], default=0.0)
 
     def forget(self, limit_name: str, identity: str) -> int:
@@ -101,10 +129,18 @@ class DenialCache:
             del self._entries[key]
         return len(doomed)
 
-    def record(self, check: LimitCheck, *, remaining: float, sent_at: float) -> None:
-        """Remember that the store found this bucket short of its cost for a check sent at `sent_at`."""
+    def clear(self) -> None:
+        """Drop every denial: buckets were reset that this process cannot name."""
+        self._entries.clear()
+
+    def record(self, check: LimitCheck, *, remaining: float, sent_at: float, reset: float | None = None) -> None:
+        """Remember that the store found this bucket short of its cost for a check sent at `sent_at`
+        (a quota: `reset` seconds before its window ends)."""
         limit = check.limit
-        until = min(denied_until(sent_at=sent_at, remaining=remaining, limit=limit, cost=check.cost), sent_at + self._max_hold)
+        wait = could_pass_in(remaining=remaining, limit=limit, cost=check.cost, reset=reset)
+        # Tokens a lease gives back reappear in the store faster than they refill.
+        max_hold = min(self._max_hold, REFUNDING_STORE_MAX_HOLD) if limit.lease else self._max_hold
+        until = min(held_until(sent_at, wait), sent_at + max_hold)
         if until <= sent_at:
             return
         key = (limit.name, check.identity, check.cost)
@@ -112,4 +148,4 @@ class DenialCache:
         entries.pop(key, None)  # re-inserted last: the dict's order is the eviction order
         if len(entries) >= self._max_entries:
             del entries[next(iter(entries))]
-        entries[key] = (limit, until, remaining, sent_at)
+        entries[key] = (limit, until, remaining, sent_at, sent_at + wait)

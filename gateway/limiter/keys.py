@@ -24,3 +24,9 @@ def bucket_key(prefix: str, limit_name: str, digest: str) -> str:
     """`{prefix}{limit}:{{digest}}`: the braces make the digest the Redis Cluster hash tag,
     so every bucket of one identity lives in one slot."""
     return f"{prefix}{limit_name}:{{{digest}}}"
+
+
+def lease_key(prefix: str, limit_name: str, digest: str) -> str:
+    """`{prefix}{limit}:leases:{{digest}}`: an identity's concurrency leases. Limit names hold
+    no `:`, so no lease key is ever a bucket key, even of a limit renamed across a reload."""
+    return f"{prefix}{limit_name}:leases:{{{digest}}}"

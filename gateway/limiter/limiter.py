@@ -4,7 +4,7 @@ limit's failure policy when the store cannot answer.
 Trusts the store to be atomic and to raise only `StoreError`. When it does,
 each limit's `on_store_error` decides: `open` allows, `closed` rejects (the
 proxy answers 503), and `local` asks an in-process bucket whose rate and burst
-are the global ones divided by `store.local_divisor`.
+are the global ones divided by `store.local_divisor` × `workers`.
 
 Shadow limits (`shadow: true`) never decide a request. `check_with_shadow` sends
 the enforced limits in one all-or-nothing store check, as `check` does, and each
@@ -13,6 +13,23 @@ never keeps the enforced limits from being charged, nor another shadow limit:
 each is charged whenever it alone has room, as if it were the request's only
 limit. The Lua script and its model stay as they are. Routes without shadow
 limits call `check` and pay nothing for the feature.
+
+Leased limits (`lease: N`, see `gateway.limiter.token_leases`) are taken first, one
+at a time, each from this process's lease, refilled from the store when it
+cannot pay; then the request's other limits go to the store in one check as
+usual. If any limit denies, what the leased limits took goes back to their
+leases, locally: the request is still all or nothing, and the store needs no
+refund, since leased tokens were charged there when they were leased. Only a
+lease that would then hold more than N (it was refilled while requests held its
+tokens) gives the excess back to the store, so no process sits on more than N.
+A request the store failed once (a refill, or the check of the other limits)
+asks it nothing more: its limits still to decide take their failure policies at
+once, as its concurrency limits do (`Decision.store_unanswered`), so it waits out
+one store timeout at most, not one per call.
+That refund goes in the background, and only while the circuit breaker is
+closed: a denial never waits for it, and a refund the store fails or the breaker
+holds back leaves those tokens charged (under-admission until the bucket refills,
+never over-admission).
 """
 
 from __future__ import annotations
@@ -27,22 +44,30 @@ from dataclasses import dataclass
 from gateway.config.model import FailurePolicy, Limit
 from gateway.limiter.circuit_breaker import BreakerState, CircuitBreaker
 from gateway.limiter.client_waves import ClientWaves
+from gateway.limiter.concurrency import FAILED_THIS_REQUEST as NOT_ASKED_AGAIN
+from gateway.limiter.concurrency import SETTLE_SECONDS, Concurrency
 from gateway.limiter.denial_cache import REFUNDING_STORE_MAX_HOLD, CachedDenial, DenialCache
+from gateway.limiter.token_leases import Leases
 from gateway.limiter.memory_store import MemoryStore
+from gateway.limiter.outcomes import (
+    ALLOW,
+    DELAYED,
+    DENY,
+    FAIL_LOCAL,
+    FAILURE_OUTCOME,
+    FAILURE_OUTCOMES,
+    SHADOW_LIMITED,
+    SKIPPED,
+)
 from gateway.limiter.store import BucketReading, LimitCheck, Store, StoreDecision, StoreError, StoreNotConnected
 from gateway.limiter.top_limited import TopLimited
+from gateway.limiter.worker_resets import WorkerResets
 
 log = logging.getLogger(__name__)
 
 # Store failures come in floods; one line a second says enough.
 FAILURE_LOG_INTERVAL = 1.0
 
-# "skipped": this limit had room, but another denied the request, so nothing was charged.
-ALLOW, DENY, SKIPPED = "allow", "deny", "skipped"
-# A shadow limit that would have denied: it was not charged, and the request went on.
-SHADOW_LIMITED = "shadow_limited"
-FAIL_OPEN, FAIL_CLOSED, FAIL_LOCAL = "fail_open", "fail_closed", "fail_local"
-_FAILURE_OUTCOME = {FailurePolicy.OPEN: FAIL_OPEN, FailurePolicy.CLOSED: FAIL_CLOSED, FailurePolicy.LOCAL: FAIL_LOCAL}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +75,15 @@ class LimitStatus:
     limit: Limit
     cost: int
     remaining: float | None  # None when unknown: the store failed open, or a cached denial answered
-    outcome: str  # allow | deny | skipped | shadow_limited | fail_open | fail_closed | fail_local
+    outcome: str  # allow | delayed | deny | skipped | shadow_limited | fail_open | fail_closed | fail_local
+    reset: float | None = None  # a quota's seconds until its window ends, when the store said
+
+    @property
+    def denied(self) -> bool:
+        """Whether this limit denied the request: from the store, or from the local stand-in."""
+        if self.outcome == DENY:
+            return True
+        return self.outcome == FAIL_LOCAL and self.remaining is not None and self.remaining < self.cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +92,13 @@ class Decision:
     statuses: tuple[LimitStatus, ...]
     retry_after: float  # seconds; 0 when allowed
     store_failed: bool  # denied because a fail-closed limit could not be checked
+    wait: float = 0.0  # seconds an allowed request waits before it goes on (mode: delay)
+
+    @property
+    def store_unanswered(self) -> bool:
+        """Whether the store failed this request (a failure policy decided some limit): it
+        is not asked again for the request's concurrency limits, which take their policies."""
+        return any(s.outcome in FAILURE_OUTCOMES for s in self.statuses)
 
 
 # The decision for a request with no limits: nothing to ask the store.
@@ -67,6 +107,10 @@ UNLIMITED = Decision(allowed=True, statuses=(), retry_after=0.0, store_failed=Fa
 
 # What a check is told while the circuit breaker keeps it from the store.
 BREAKER_OPEN = StoreError("the store failed repeatedly; circuit breaker open")
+# What a leased check is told when the refill it waited for failed.
+LEASE_REFILL_FAILED = StoreError("the store failed the lease refill this request waited for")
+# What the rest of a request's checks are told once the store failed one of them.
+FAILED_THIS_REQUEST = StoreError(NOT_ASKED_AGAIN)  # the reason its concurrency limits are given too
 
 
 class Limiter:
@@ -75,7 +119,8 @@ class Limiter:
     (`gateway.limiter.denial_cache`), one client's concurrent checks reach the
     store in waves (`gateway.limiter.client_waves`), and a store that keeps failing
     is left alone for a while (`gateway.limiter.circuit_breaker`).
-    `on_breaker_change` is told each new breaker state, for the metric."""
+    `on_breaker_change` is told each new breaker state, for the metric, and
+    `on_lease_release_failed` of each concurrency lease left to its TTL."""
 
     def __init__(
         self,
@@ -84,8 +129,13 @@ class Limiter:
         local_divisor: int = 1,
         shared_store: bool = False,
         on_breaker_change: Callable[[BreakerState], None] | None = None,
+        on_lease_release_failed: Callable[[], None] | None = None,
+        resets: WorkerResets | None = None,
     ) -> None:
+        """`resets`: with several workers, the log of bucket resets they share."""
         self.store = store
+        self._resets = resets
+        self.leases = Leases() if shared_store else None
         if not shared_store:
             self.denials = None
         elif store.refunds:
@@ -96,16 +146,33 @@ class Limiter:
         self._waves = ClientWaves()
         self._local_divisor = local_divisor
         self._local_store = MemoryStore()
-        self._local_limits: dict[tuple[str, int], Limit] = {}
+        self._local_limits: dict[tuple[str, int], tuple[Limit, Limit]] = {}  # (name, cost) -> (limit, its share)
         self._last_failure_log = -FAILURE_LOG_INTERVAL
+        self._last_refund_log = -FAILURE_LOG_INTERVAL
+        self._refunds: set[asyncio.Future[None]] = set()  # the event loop holds tasks only weakly
         # (limit name, identity) of each denial, for the admin API's top limited clients.
         self.top_limited = TopLimited(now=time.monotonic())
+        # Concurrency limits: leases in the same store, behind the same breaker.
+        self.concurrency = Concurrency(
+            store,
+            local_divisor=local_divisor,
+            breaker=self.breaker if shared_store else None,
+            on_release_failed=on_lease_release_failed,
+        )
 
     async def check(self, checks: Sequence[LimitCheck]) -> Decision:
         if not checks:
             return UNLIMITED
+        if self._resets is not None:
+            self._apply_sibling_resets(self._resets)
+        # The stand-in is checked only while the store fails: without this, the buckets of
+        # every client of an outage's last refill period stayed until the next outage.
+        self._local_store.forget_full()
         if self.denials is not None:
-            decision = await self._check_shared(checks, self.denials)
+            if any(c.limit.lease and c.cost for c in checks):
+                decision = await self._check_leased(checks, self.denials)
+            else:
+                decision = await self._check_shared(checks, self.denials)
         else:
             try:
                 decision = _decision(checks, await self.store.check(checks))
@@ -114,7 +181,7 @@ class Limiter:
         if not decision.allowed:  # an allowed request costs this one test
             now = time.monotonic()
             for c, status in zip(checks, decision.statuses):
-                if _limited(c, status):
+                if status.denied:
                     self.top_limited.add((c.limit.name, c.identity), now)
         return decision
 
@@ -127,14 +194,148 @@ class Limiter:
         shadow_statuses = (_as_shadow(d.statuses[0]) for d in shadowed)
         statuses = tuple(next(shadow_statuses) if c.limit.shadow else next(enforced_statuses) for c in checks)
         return Decision(
-            allowed=main.allowed, statuses=statuses, retry_after=main.retry_after, store_failed=main.store_failed
+            allowed=main.allowed,
+            statuses=statuses,
+            retry_after=main.retry_after,
+            store_failed=main.store_failed,
+            wait=main.wait,
         )
 
-    async def _check_shared(self, checks: Sequence[LimitCheck], denials: DenialCache) -> Decision:
+    async def _check_leased(self, checks: Sequence[LimitCheck], denials: DenialCache) -> Decision:
+        """`check` for a request with leased limits (see the module docstring)."""
+        statuses: list[LimitStatus | None] = [None] * len(checks)
+        spent: list[int] = []  # the leased limits that took their cost
+        failed: StoreError | None = None  # set once the store failed this request
+        for i, c in enumerate(checks):
+            if not (c.limit.lease and c.cost):
+                continue
+            leased = await self._lease(c, denials, failed)
+            statuses[i] = leased.statuses[0]
+            if leased.statuses[0].outcome in FAILURE_OUTCOMES:
+                failed = FAILED_THIS_REQUEST
+            if leased.statuses[0].outcome == ALLOW:  # a failure policy's allow took nothing
+                spent.append(i)
+            if not leased.allowed:
+                return self._denied_after_leases(checks, statuses, spent, leased)
+        rest = [i for i, status in enumerate(statuses) if status is None]
+        wait = 0.0  # a leased limit never delays; a shaping limit among the rest may
+        if rest:
+            decision = await self._check_shared([checks[i] for i in rest], denials, failed=failed)
+            for i, status in zip(rest, decision.statuses):
+                statuses[i] = status
+            if not decision.allowed:
+                return self._denied_after_leases(checks, statuses, spent, decision)
+            wait = decision.wait
+        return Decision(allowed=True, statuses=tuple(statuses), retry_after=0.0, store_failed=False, wait=wait)  # type: ignore[arg-type]
+
+    async def _lease(self, check: LimitCheck, denials: DenialCache, failed: StoreError | None = None) -> Decision:
+        """One leased limit: paid from this process's lease, else by a refill from the store,
+        one in flight per bucket; requests that find one in flight wait and spend what it brought.
+        `failed`: the store failed this request already; a lease that cannot pay takes the policy."""
+        leases = self.leases
+        assert leases is not None
+        answered = True
+        while True:
+            left = leases.take(check, time.monotonic())
+            if left is not None:
+                return Decision(
+                    allowed=True, statuses=(LimitStatus(check.limit, check.cost, left, ALLOW),), retry_after=0.0, store_failed=False
+                )
+            if not answered:  # the store failed the refill waited for
+                return self._on_store_error((check,), LEASE_REFILL_FAILED)
+            if failed is not None:
+                return self._on_store_error((check,), failed)
+            refill = leases.refilling(check)
+            if refill is None:
+                break
+            answered = await asyncio.shield(refill)
+        with leases.refill(check) as refilled:
+            decision = await self._check_shared((check,), denials, lease=True)
+            status = decision.statuses[0]
+            refilled.set_result(status.outcome not in FAILURE_OUTCOME.values())
+        if status.outcome == ALLOW and status.remaining is not None:  # the store's tokens, and the lease's
+            status = dataclasses.replace(status, remaining=status.remaining + leases.unspent(check))
+            decision = dataclasses.replace(decision, statuses=(status,))
+        return decision
+
+    async def _lease_from_store(self, check: LimitCheck) -> StoreDecision:
+        """A refill: the store takes up to `lease` tokens, the cost for this request and the
+        rest for the lease. Its answer reads as a check of that one bucket."""
+        assert self.leases is not None
+        grant = await self.store.lease(check, max(check.limit.lease, check.cost))
+        if grant.allowed:
+            self.leases.grant(check, grant.granted - check.cost, grant.remaining, time.monotonic())
+        return StoreDecision(allowed=grant.allowed, remaining=(grant.remaining,), retry_after=grant.retry_after, resets=(None,))
+
+    def _refund(self, check: LimitCheck, tokens: int) -> None:
+        """Give `tokens` leased of the check's bucket back to the store, without the denial
+        waiting for it: a refund costs a round trip, and a full store timeout when the store
+        is slow or gone. Not while the circuit breaker keeps checks from the store (nor as
+        its probe). A refund not made leaves the tokens charged: under-admission until the
+        bucket refills, never over-admission."""
+        if self.breaker.state is not BreakerState.CLOSED:
+            self._refund_lost(check, tokens, BREAKER_OPEN)
+            return
+        task = asyncio.ensure_future(self._send_refund(check, tokens))
+        self._refunds.add(task)
+        task.add_done_callback(self._refunds.discard)
+
+    async def _send_refund(self, check: LimitCheck, tokens: int) -> None:
+        try:
+            await self.store.refund(check, tokens)
+        except StoreError as exc:
+            self._refund_lost(check, tokens, exc)
+
+    def _refund_lost(self, check: LimitCheck, tokens: int, exc: StoreError) -> None:
+        now = time.monotonic()
+        if now - self._last_refund_log >= FAILURE_LOG_INTERVAL:
+            self._last_refund_log = now
+            log.warning(
+                "could not give %d leased tokens of %s back to the store, they stay charged: %s", tokens, check.limit.name, exc
+            )
+
+    async def settle(self) -> None:
+        """Wait, boundedly, for the refunds, lease releases and renewals under way; any left
+        are cancelled (refunds leave their tokens charged, leases expire with their TTL)."""
+        if self._refunds:
+            await asyncio.wait(self._refunds, timeout=SETTLE_SECONDS)
+        for task in list(self._refunds):
+            task.cancel()
+        await self.concurrency.settle()
+
+    def _denied_after_leases(
+        self, checks: Sequence[LimitCheck], statuses: list[LimitStatus | None], spent: list[int], denial: Decision
+    ) -> Decision:
+        """The request is denied (by `denial`): the leased limits that took their cost give it
+        back to their leases and count as skipped, as do the limits not asked. What a lease
+        cannot keep goes back to the store in the background (`_refund`)."""
+        assert self.leases is not None
+        now = time.monotonic()
+        for i in spent:
+            excess = self.leases.give_back(checks[i], now)
+            if excess:
+                self._refund(checks[i], excess)
+            status = statuses[i]
+            assert status is not None and status.remaining is not None
+            statuses[i] = dataclasses.replace(status, remaining=status.remaining + status.cost, outcome=SKIPPED)
+        final = tuple(
+            status if status is not None else LimitStatus(c.limit, c.cost, None, SKIPPED) for c, status in zip(checks, statuses)
+        )
+        return Decision(allowed=False, statuses=final, retry_after=denial.retry_after, store_failed=denial.store_failed)
+
+    async def _check_shared(
+        self, checks: Sequence[LimitCheck], denials: DenialCache, *, lease: bool = False, failed: StoreError | None = None
+    ) -> Decision:
+        """`lease`: the one check is a refill of its lease (`_lease_from_store`). `failed`: the
+        store failed this request already; the failure policies answer without asking it."""
         cached = denials.lookup(checks, time.monotonic())
         if cached is not None:
             return _cached_denial(checks, cached)
-        signature = tuple((c.limit.name, c.identity, c.cost) for c in checks)
+        if failed is not None:
+            return self._on_store_error(checks, failed)
+        signature: tuple[object, ...] = tuple((c.limit.name, c.identity, c.cost) for c in checks)
+        if lease:
+            signature = ("lease", *signature)
         try:
             wave = await self._waves.join(signature)
         except StoreError as exc:  # the wave this one waited for failed
@@ -151,7 +352,7 @@ class Limiter:
                 # the breaker for itself (it may be closed again by then).
                 return self._on_store_error(checks, BREAKER_OPEN)
             try:
-                answer = await self.store.check(checks)
+                answer = await (self._lease_from_store(checks[0]) if lease else self.store.check(checks))
             except StoreNotConnected:
                 self.breaker.not_sent(time.monotonic())
                 raise
@@ -163,9 +364,9 @@ class Limiter:
                 raise
             self.breaker.succeeded()
             # Allowed or not, a bucket left short of its cost cannot pass until it refills.
-            for c, left in zip(checks, answer.remaining):
+            for c, left, reset in zip(checks, answer.remaining, answer.resets):
                 if left is not None and left < c.cost:
-                    denials.record(c, remaining=left, sent_at=sent_at)
+                    denials.record(c, remaining=left, sent_at=sent_at, reset=reset)
         except StoreError as exc:
             error = exc
             return self._on_store_error(checks, exc)
@@ -182,7 +383,7 @@ class Limiter:
             log.warning("store failed, applying failure policies (%s): %s", policies, exc)
         policies = [c.limit.on_store_error for c in checks]
         if FailurePolicy.CLOSED in policies:
-            statuses = tuple(LimitStatus(c.limit, c.cost, None, _FAILURE_OUTCOME[c.limit.on_store_error]) for c in checks)
+            statuses = tuple(LimitStatus(c.limit, c.cost, None, FAILURE_OUTCOME[c.limit.on_store_error]) for c in checks)
             return Decision(allowed=False, statuses=statuses, retry_after=1.0, store_failed=True)
         local = [
             dataclasses.replace(c, limit=self._local_limit(c.limit, c.cost))
@@ -196,27 +397,24 @@ class Limiter:
                 limit=c.limit,
                 cost=c.cost,
                 remaining=next(remaining) if c.limit.on_store_error is FailurePolicy.LOCAL else None,
-                outcome=_FAILURE_OUTCOME[c.limit.on_store_error],
+                outcome=FAILURE_OUTCOME[c.limit.on_store_error],
             )
             for c in checks
         )
         allowed = answer.allowed if answer else True
         return Decision(
-            allowed=allowed, statuses=statuses, retry_after=answer.retry_after if answer else 0.0, store_failed=False
+            allowed=allowed,
+            statuses=statuses,
+            retry_after=answer.retry_after if answer else 0.0,
+            store_failed=False,
+            wait=answer.wait if answer and allowed else 0.0,
         )
 
     def _local_limit(self, limit: Limit, cost: int) -> Limit:
-        """The conservative stand-in for `limit`: this instance's share of the fleet's limit.
-
-        Its burst is never below the request's cost (nor 1), or a burst split many
-        ways would never let such a request through."""
-        local = self._local_limits.get((limit.name, cost))
-        if local is None:
-            divisor = self._local_divisor
-            rate = dataclasses.replace(limit.rate, tokens=limit.rate.tokens / divisor)
-            local = dataclasses.replace(limit, rate=rate, burst=max(1.0, float(cost), limit.burst / divisor))
-            self._local_limits[(limit.name, cost)] = local
-        return local
+        cached = self._local_limits.get((limit.name, cost))
+        if cached is None or cached[0] is not limit:  # a reload may have replaced the limit
+            cached = self._local_limits[(limit.name, cost)] = (limit, local_share(limit, self._local_divisor, cost))
+        return cached[1]
 
     async def read_bucket(self, limit: Limit, identity: str) -> BucketReading:
         """The bucket of `limit` for `identity` as the store holds it. Raises StoreError."""
@@ -226,19 +424,43 @@ class Limiter:
         """How long this process still answers that bucket's denial itself (0: it asks the store)."""
         if self.denials is None:
             return 0.0
-        return self.denials.held_for(limit.name, identity, time.monotonic())
+        return self.denials.held_for(limit, identity, time.monotonic())
 
     async def reset_bucket(self, limit: Limit, identity: str) -> bool:
         """Delete the bucket in the store, and then this process's cached denials of it,
-        which would otherwise keep the client denied here until they ran out. Whether the
+        which would otherwise keep the client denied here until they ran out. Sibling
+        workers are told (`resets`) before this returns, and drop theirs before their next check. Whether the
         store held the bucket. The in-process stand-in of `on_store_error: local` is reset
         first, so a reset while the store is down still frees the client here; then
         StoreError is raised, and the cached denials stay, as does the store's bucket."""
-        await self._local_store.delete(limit, identity)  # bucket ids ignore the stand-in's cost
-        held = await self.store.delete(limit, identity)
+        self._forget_bucket(limit.name, identity)
+        try:
+            held = await self.store.delete(limit, identity)
+        finally:
+            if self._resets is not None:  # the other workers forget theirs before it is answered
+                self._resets.publish(limit.name, identity)
         if self.denials is not None:
             self.denials.forget(limit.name, identity)
         return held
+
+    def _forget_bucket(self, limit_name: str, identity: str) -> None:
+        """Drop what this process holds of a bucket outside the store but its cached denials:
+        the stand-in of `on_store_error: local` and a lease."""
+        self._local_store.delete_now(limit_name, identity)  # bucket ids ignore the stand-in's cost
+        if self.leases is not None:
+            self.leases.forget(limit_name, identity)
+
+    def _apply_sibling_resets(self, resets: WorkerResets) -> None:
+        """Apply the resets other workers' admin APIs made (and this one's: a second time, harmless)."""
+        unseen = resets.unseen()
+        if not unseen:
+            if unseen is None and self.denials is not None:
+                self.denials.clear()  # some were missed: ask the store about every client again
+            return
+        for limit_name, identity in unseen:
+            self._forget_bucket(limit_name, identity)
+            if self.denials is not None:
+                self.denials.forget(limit_name, identity)
 
     async def store_reachable(self) -> tuple[bool, str]:
         """Whether the store answers now, and if not, why (`store.refusal(why)`: it refuses us)."""
@@ -249,11 +471,16 @@ class Limiter:
         return True, "ok"
 
 
-def _limited(check: LimitCheck, status: LimitStatus) -> bool:
-    """Whether this limit denied the request: from the store, or from the local stand-in."""
-    if status.outcome == DENY:
-        return True
-    return status.outcome == FAIL_LOCAL and status.remaining is not None and status.remaining < check.cost
+def local_share(limit: Limit, divisor: int, cost: int) -> Limit:
+    """The conservative stand-in for `limit` under `on_store_error: local`: this
+    instance's share of the fleet's limit, 1/`divisor` of its rate and burst.
+
+    Its burst is never below the request's cost (nor 1), or a burst split many
+    ways would never let such a request through."""
+    rate = dataclasses.replace(limit.rate, tokens=limit.rate.tokens / divisor)
+    burst = max(1.0, float(cost), limit.burst / divisor)
+    share = None if limit.quota is None else dataclasses.replace(limit.quota, limit=burst)  # a quota's share of its window
+    return dataclasses.replace(limit, rate=rate, burst=burst, quota=share)
 
 
 def _decision(checks: Sequence[LimitCheck], answer: StoreDecision) -> Decision:
@@ -262,11 +489,24 @@ def _decision(checks: Sequence[LimitCheck], answer: StoreDecision) -> Decision:
             limit=c.limit,
             cost=c.cost,
             remaining=left,
-            outcome=ALLOW if answer.allowed else (DENY if left is not None and left < c.cost else SKIPPED),
+            outcome=_outcome(answer.allowed, left, c.cost, c.max_delay * c.limit.rate.per_second),
+            reset=reset,
         )
-        for c, left in zip(checks, answer.remaining)
+        for c, left, reset in zip(checks, answer.remaining, answer.resets)
     )
-    return Decision(allowed=answer.allowed, statuses=statuses, retry_after=answer.retry_after, store_failed=False)
+    return Decision(
+        allowed=answer.allowed, statuses=statuses, retry_after=answer.retry_after, store_failed=False, wait=answer.wait
+    )
+
+
+def _outcome(allowed: bool, left: float | None, cost: int, debt: float) -> str:
+    """`debt`: the tokens a shaping check's bucket may owe (max_delay × rate; 0 when it may
+    not wait). A bucket that could pay within it would have delayed the request, not denied
+    it: when another limit denies, it was not asked to decide, as a bucket with room is not."""
+    if allowed:
+        # Charged below zero: this limit is why the request waits.
+        return DELAYED if left is not None and left < 0 else ALLOW
+    return DENY if left is not None and left - cost < -debt else SKIPPED
 
 
 def _as_shadow(status: LimitStatus) -> LimitStatus:
@@ -278,7 +518,9 @@ def _as_shadow(status: LimitStatus) -> LimitStatus:
 def _cached_denial(checks: Sequence[LimitCheck], cached: CachedDenial) -> Decision:
     """A denial answered from the cache: the covered limit is denied; the others went unasked."""
     statuses = tuple(
-        LimitStatus(c.limit, c.cost, cached.remaining, DENY) if i == cached.index else LimitStatus(c.limit, c.cost, None, SKIPPED)
+        LimitStatus(c.limit, c.cost, cached.remaining, DENY, cached.retry_after if c.limit.quota else None)
+        if i == cached.index
+        else LimitStatus(c.limit, c.cost, None, SKIPPED)
         for i, c in enumerate(checks)
     )
     return Decision(allowed=False, statuses=statuses, retry_after=cached.retry_after, store_failed=False)

@@ -3,7 +3,12 @@
 It is the embedded default and the fallback for `on_store_error: local`.
 Each check runs without awaiting, so within one event loop it is atomic.
 A bucket that has refilled completely holds nothing worth keeping and is
-dropped, so memory tracks active clients only.
+dropped, so memory tracks active clients only; so is a quota's counter once its
+window has ended. Buckets are timed by the monotonic clock; quota windows, which
+follow the calendar, by the wall clock. Concurrency leases live here too
+(gateway.limiter.leases), with the Redis script's semantics; an identity whose
+last lease is released or found expired is dropped. The admin API reads and
+forgets buckets and leases here as it does in Redis.
 """
 
 from __future__ import annotations
@@ -11,12 +16,12 @@ from __future__ import annotations
 import heapq
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from gateway.limiter import bucket
-from gateway.limiter.keys import bucket_key, identity_digest
-from gateway.config.model import Limit
-from gateway.limiter.store import BucketReading, LimitCheck, StoreDecision
+from gateway.limiter import bucket, leases, quota
+from gateway.limiter.keys import bucket_key, identity_digest, lease_key
+from gateway.config.model import ConcurrencyLimit, Limit
+from gateway.limiter.store import BucketReading, LeaseCheck, LeaseDecision, LeaseReading, LimitCheck, StoreDecision
 
 _BucketId = tuple[str, str]
 # Buckets examined for dropping per check: far more than a check can add, so memory
@@ -28,13 +33,16 @@ class MemoryStore:
     description = "in-process"
     refunds = False
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
+        self._wall_clock = wall_clock
         self._secret = os.urandom(32)
-        # bucket id -> (state, time it is full again)
-        self._buckets: dict[_BucketId, tuple[bucket.BucketState, float]] = {}
+        # bucket id -> (state, time it is full again: for a quota, when its window ends)
+        self._buckets: dict[_BucketId, tuple[bucket.State, float]] = {}
         # One (time it may be full, bucket id) entry per bucket, earliest first.
         self._expiry: list[tuple[float, _BucketId]] = []
+        # (limit name, identity digest) -> lease id -> time it expires
+        self._leases: dict[_BucketId, dict[str, float]] = {}
 
     async def start(self) -> None:
         pass
@@ -45,6 +53,42 @@ class MemoryStore:
     async def close(self) -> None:
         self._buckets.clear()
         self._expiry.clear()
+        self._leases.clear()
+
+    async def acquire(self, lease: LeaseCheck) -> LeaseDecision:
+        return self.acquire_now(lease)
+
+    def acquire_now(self, lease: LeaseCheck) -> LeaseDecision:
+        limit = lease.limit
+        owner = (limit.name, identity_digest(self._secret, lease.identity))
+        outcome, held = leases.acquire(
+            self._leases.get(owner, {}), lease.lease, capacity=limit.concurrency, ttl=limit.lease_ttl, now=self._clock()
+        )
+        self._keep_leases(owner, held)
+        return LeaseDecision(admitted=outcome.admitted, in_flight=outcome.in_flight)
+
+    async def release(self, lease: LeaseCheck) -> None:
+        self.release_now(lease)
+
+    def release_now(self, lease: LeaseCheck) -> None:
+        owner = (lease.limit.name, identity_digest(self._secret, lease.identity))
+        held = self._leases.get(owner)
+        if held is not None:
+            self._keep_leases(owner, leases.release(held, lease.lease, self._clock()))
+
+    async def read_leases(self, limit: ConcurrencyLimit, identity: str) -> LeaseReading:
+        digest = identity_digest(self._secret, identity)
+        return lease_reading(lease_key("", limit.name, digest), self._leases.get((limit.name, digest), {}), self._clock())
+
+    async def delete_leases(self, limit: ConcurrencyLimit, identity: str) -> bool:
+        held = self._leases.pop((limit.name, identity_digest(self._secret, identity)), {})
+        return bool(leases.live(held, self._clock()))
+
+    def _keep_leases(self, owner: _BucketId, held: dict[str, float]) -> None:
+        if held:
+            self._leases[owner] = held
+        else:
+            self._leases.pop(owner, None)
 
     async def check(self, checks: Sequence[LimitCheck]) -> StoreDecision:
         return self.check_now(checks)
@@ -53,27 +97,57 @@ class MemoryStore:
         now = self._clock()
         self._forget_full(now, at_most=FORGET_PER_CHECK)
         ids = [(c.limit.name, identity_digest(self._secret, c.identity)) for c in checks]
-        specs = [bucket.BucketSpec(capacity=c.limit.burst, rate=c.limit.rate.per_second, cost=c.cost) for c in checks]
+        specs = [spec_of(c) for c in checks]
         held = [self._buckets.get(i) for i in ids]
-        outcome = bucket.check([h[0] if h else None for h in held], specs, now)
-        if outcome.allowed:
-            for bucket_id, was_held, state, spec in zip(ids, held, outcome.states, specs):
+        outcome = bucket.check(
+            [h[0] if h else None for h in held], specs, now, quota_now=self._wall_clock() * 1000, quota_unit=1000
+        )
+        for bucket_id, was_held, state, spec, reset in zip(ids, held, outcome.states, specs, outcome.resets):
+            # When it is full again (a quota: its window ends), by its limit as checked now.
+            full_at = now + (bucket.seconds_until_full(state, spec, now) if reset is None else reset)  # type: ignore[arg-type]
+            if outcome.allowed:
                 if spec.cost:
-                    full_at = now + bucket.seconds_until_full(state, spec, now)
                     self._buckets[bucket_id] = (state, full_at)
                     if was_held is None:
                         heapq.heappush(self._expiry, (full_at, bucket_id))
-        return StoreDecision(allowed=outcome.allowed, remaining=outcome.remaining, retry_after=outcome.retry_after)
+            elif was_held is not None and full_at > was_held[1]:
+                # Nothing is charged, but a bucket is kept until it is full by its limit now:
+                # a reload that lowered the rate (or raised the burst or lengthened the window)
+                # makes that later than its last charge said, and dropped early it would come
+                # back full (or the quota empty) too soon. The expiry heap finds the new time.
+                self._buckets[bucket_id] = (was_held[0], full_at)
+        return StoreDecision(
+            allowed=outcome.allowed,
+            remaining=outcome.remaining,
+            retry_after=outcome.retry_after,
+            wait=outcome.wait,
+            resets=outcome.resets,
+        )
 
     async def read(self, limit: Limit, identity: str) -> BucketReading:
         now = self._clock()
         bucket_id = (limit.name, identity_digest(self._secret, identity))
         held = self._buckets.get(bucket_id)
-        return reading(bucket_key("", limit.name, bucket_id[1]), limit, held[0] if held else None, now)
+        key = bucket_key("", limit.name, bucket_id[1])
+        if held is not None and isinstance(held[0], quota.QuotaState):
+            if held[1] > now:  # its window has not ended
+                return BucketReading(key=key, held=True, tokens=limit.burst - held[0].count, full_in=held[1] - now)
+            held = None
+        return reading(key, limit, held[0] if held else None, now)  # type: ignore[arg-type]
 
     async def delete(self, limit: Limit, identity: str) -> bool:
+        return self.delete_now(limit.name, identity)
+
+    def delete_now(self, limit_name: str, identity: str) -> bool:
+        """`delete`, for callers on the event loop that cannot await (the limiter's stand-in)."""
         # Its expiry entry stays, and is skipped when it comes due (`_forget_full`).
-        return self._buckets.pop((limit.name, identity_digest(self._secret, identity)), None) is not None
+        return self._buckets.pop((limit_name, identity_digest(self._secret, identity)), None) is not None
+
+    def forget_full(self) -> None:
+        """Drop some buckets that are full by now, as a check does: for a store no check reaches
+        any more (the stand-in of `on_store_error: local` once the store answers again)."""
+        if self._expiry:
+            self._forget_full(self._clock(), at_most=FORGET_PER_CHECK)
 
     def __len__(self) -> int:
         """How many buckets are held: the memory the store uses. Full ones are dropped first,
@@ -92,6 +166,27 @@ class MemoryStore:
                 del self._buckets[bucket_id]
             else:  # charged again since: look again when it will be full
                 heapq.heappush(self._expiry, (held[1], bucket_id))
+
+
+def spec_of(check: LimitCheck) -> bucket.Spec:
+    """The model's spec of one check: a quota's windows, or a bucket that may owe
+    `max_delay` × rate tokens when the check may wait."""
+    limit = check.limit
+    if limit.quota is not None:
+        return quota.spec_of(limit.quota.per, limit.quota.reset, limit.quota.limit, check.cost)
+    rate = limit.rate.per_second
+    return bucket.BucketSpec(capacity=limit.burst, rate=rate, cost=check.cost, debt=check.max_delay * rate)
+
+
+def lease_reading(key: str, held: Mapping[str, float], now: float) -> LeaseReading:
+    """An identity's leases (lease id -> expiry) as live at `now`, by the model's rule (`leases.live`)."""
+    expiries = sorted(leases.live(held, now).values())
+    return LeaseReading(
+        key=key,
+        in_flight=len(expiries),
+        next_expiry_in=expiries[0] - now if expiries else None,
+        last_expiry_in=expiries[-1] - now if expiries else None,
+    )
 
 
 def reading(key: str, limit: Limit, state: bucket.BucketState | None, now: float) -> BucketReading:

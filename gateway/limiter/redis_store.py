@@ -1,10 +1,16 @@
 """The shared store: token buckets in Redis, checked and charged by one Lua script.
 
 Every gateway process runs `lua/token_bucket.lua` against the same Redis, so
-no interleaving of requests lets a client exceed its limit. All buckets of a
+no interleaving of requests lets a client exceed its limit. Concurrency leases
+are taken by `lua/concurrency_lease.lua` and given up by a plain ZREM, each one
+command on the master of the lease key's slot. A limit with a `lease` takes
+several tokens of one bucket at once (`lua/token_lease.lua`). All buckets of a
 request go into one script call: one round trip, all-or-nothing. Concurrent
 checks share round trips over one pipelined connection
-(`gateway.limiter.redis_connection`).
+(`gateway.limiter.redis_connection`). The admin API reads a bucket or an
+identity's leases together with Redis's TIME in one EVAL, and resets a bucket
+by DEL and leases by an EVAL that counts the live ones as it deletes them, each
+on the master of the key's slot.
 
 Trusts Redis to answer correctly, not promptly: each command is bounded by
 `store.timeout` from the moment it is written, and never retried, since a
@@ -18,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -25,14 +32,23 @@ from importlib import resources
 from urllib.parse import urlsplit
 
 from gateway.config.loader import redacted_url
-from gateway.config.model import Limit, StoreConfig
-from gateway.limiter.keys import bucket_key, identity_digest
+from gateway.config.model import ConcurrencyLimit, Limit, StoreConfig
+from gateway.limiter.keys import bucket_key, identity_digest, lease_key
 from gateway.limiter import redis_cluster, redis_sentinel
 from gateway.limiter.redis_cluster import RedisCluster, key_slot
 from gateway.limiter.redis_connection import RedisAddress, RedisConnection, RedisReplyError, parse_redis_url
-from gateway.limiter import bucket
-from gateway.limiter.memory_store import reading
-from gateway.limiter.store import BucketReading, LimitCheck, StoreDecision, StoreError
+from gateway.limiter import bucket, quota
+from gateway.limiter.memory_store import lease_reading, reading, spec_of
+from gateway.limiter.store import (
+    BucketReading,
+    LeaseCheck,
+    LeaseDecision,
+    LeaseGrant,
+    LeaseReading,
+    LimitCheck,
+    StoreDecision,
+    StoreError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +56,23 @@ SCRIPT_NAME = "token_bucket.lua"
 # A bucket and Redis's clock in one atomic read, so the refill is computed as the
 # token-bucket script would (it is not on the request path: sent as EVAL each time).
 READ_SCRIPT = b"return {redis.call('HMGET', KEYS[1], 'tokens', 'ts'), redis.call('TIME')}"
+# An identity's leases with their expiries and Redis's clock, read as one: the leases a dead
+# gateway left are judged expired by the clock that scored them. The set holds at most the
+# limit's concurrency beside the expired leases the next acquire drops.
+LEASE_READ_SCRIPT = b"return {redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES'), redis.call('TIME')}"
+# Drop them, answering how many were live: the set outlives its live leases when the one
+# that set its expiry was released first. Live: expiring after now (ms), as the lease script counts.
+LEASE_DELETE_SCRIPT = (
+    b"local t = redis.call('TIME') "
+    b"local live = redis.call('ZCOUNT', KEYS[1], '(' .. (t[1] * 1000 + math.floor(t[2] / 1000)), '+inf') "
+    b"redis.call('DEL', KEYS[1]) return live"
+)
+# Formatted script arguments kept, one per limit object, cost and max_delay: far more than a
+# config has. Each reload brings new limit objects, so past this the cache starts over.
+ARGS_CACHE_ENTRIES = 4096
 REFUND_SCRIPT_NAME = "token_refund.lua"
+CONCURRENCY_SCRIPT_NAME = "concurrency_lease.lua"
+TOKEN_LEASE_SCRIPT_NAME = "token_lease.lua"
 # Gateways sharing a Redis share this identity-hashing secret unless key_secret is set.
 SECRET_KEY_SUFFIX = "identity-secret"
 # How often a gateway re-reads that secret, so a fleet agrees again within this
@@ -69,11 +101,16 @@ class RedisStore:
         self._sha = hashlib.sha1(self._script).hexdigest().encode()
         self._refund_script = load_script(REFUND_SCRIPT_NAME).encode()
         self._refund_sha = hashlib.sha1(self._refund_script).hexdigest().encode()
+        self._concurrency_script = load_script(CONCURRENCY_SCRIPT_NAME).encode()
+        self._concurrency_sha = hashlib.sha1(self._concurrency_script).hexdigest().encode()
+        self._token_lease_script = load_script(TOKEN_LEASE_SCRIPT_NAME).encode()
+        self._token_lease_sha = hashlib.sha1(self._token_lease_script).hexdigest().encode()
         self._secret: bytes | None = config.key_secret.encode() if config.key_secret else None
         self._secret_read_at = 0.0
         self._sharing_secret: asyncio.Future[None] | None = None
         self._rereading: asyncio.Future[None] | None = None
-        self._args_cache: dict[tuple[int, int], tuple[Limit, tuple[bytes, bytes, bytes]]] = {}
+        self._args_cache: dict[tuple[int, int, float], tuple[Limit, bytes, tuple[bytes, bytes, bytes, bytes]]] = {}
+        self._lease_args_cache: dict[str, tuple[ConcurrencyLimit, tuple[bytes, bytes]]] = {}
         self._setup_timeout = max(config.timeout, SETUP_TIMEOUT_FLOOR)
         connect_timeout = max(config.timeout * 10, SETUP_TIMEOUT_FLOOR)
         self._cluster: RedisCluster | None = None
@@ -94,7 +131,7 @@ class RedisStore:
         await self._redis.connect()
         if self._secret is None:
             await self._share_secret()
-        for script in (self._script, self._refund_script):
+        for script in (self._script, self._refund_script, self._concurrency_script, self._token_lease_script):
             await self._redis.on_every_master("SCRIPT", "LOAD", script, timeout=self._setup_timeout)
 
     async def ping(self) -> None:
@@ -127,6 +164,79 @@ class RedisStore:
                     raise
         self._maybe_reread_secret()
         return decision
+
+    async def acquire(self, lease: LeaseCheck) -> LeaseDecision:
+        key = await self._lease_key(lease)
+        args = (lease.lease.encode(), *self._lease_args(lease.limit))
+        reply = await self._call(self._concurrency_script, self._concurrency_sha, key_slot(key), (key,), args)
+        try:
+            admitted, in_flight = reply  # type: ignore[misc]
+            return LeaseDecision(admitted=bool(admitted), in_flight=int(in_flight))
+        except (TypeError, ValueError) as exc:
+            raise StoreError(f"unexpected lease script reply {reply!r}") from exc
+
+    async def release(self, lease: LeaseCheck) -> None:
+        key = await self._lease_key(lease)
+        await self._redis.execute(key_slot(key), b"ZREM", key, lease.lease.encode())
+
+    async def read_leases(self, limit: ConcurrencyLimit, identity: str) -> LeaseReading:
+        key = await self._lease_key(LeaseCheck(limit=limit, identity=identity, lease=""))
+        reply = await self._redis.execute(key_slot(key), b"EVAL", LEASE_READ_SCRIPT, 1, key, timeout=self._setup_timeout)
+        try:
+            scored, (seconds, micros) = reply  # type: ignore[misc]
+            now_ms = int(seconds) * 1000 + int(micros) // 1000  # as lua/concurrency_lease.lua reads it
+            held = {scored[i]: float(scored[i + 1]) / 1000 for i in range(0, len(scored), 2)}
+        except (TypeError, ValueError) as exc:
+            raise StoreError(f"unexpected lease read reply {reply!r}") from exc
+        return lease_reading(key, held, now_ms / 1000)
+
+    async def delete_leases(self, limit: ConcurrencyLimit, identity: str) -> bool:
+        key = await self._lease_key(LeaseCheck(limit=limit, identity=identity, lease=""))
+        live = await self._redis.execute(key_slot(key), b"EVAL", LEASE_DELETE_SCRIPT, 1, key, timeout=self._setup_timeout)
+        return bool(live)
+
+    async def _lease_key(self, lease: LeaseCheck) -> str:
+        if self._secret is None:
+            await self._share_secret()
+        secret = self._secret
+        assert secret is not None
+        return lease_key(self._config.prefix, lease.limit.name, identity_digest(secret, lease.identity))
+
+    async def lease(self, check: LimitCheck, want: int) -> LeaseGrant:
+        """One bucket, so one slot: on a Cluster too, one script call and no refund."""
+        if self._secret is None:
+            await self._share_secret()
+        # A leased limit is a bucket that rejects (the config refuses quotas and delays): no debt.
+        _, (capacity, rate, cost, _) = self._script_args(check)
+        args = (capacity, rate, cost, str(want).encode())
+        for attempt in range(2):
+            (key,) = self._keys((check,))
+            try:
+                reply = await self._call(self._token_lease_script, self._token_lease_sha, key_slot(key), (key,), args)
+                break
+            except _SecretChanged:
+                if attempt:
+                    raise
+        self._maybe_reread_secret()
+        try:
+            allowed, granted, remaining, retry_ms = reply  # type: ignore[misc]
+            retry_ms = int(retry_ms)
+            return LeaseGrant(
+                allowed=bool(allowed),
+                granted=int(granted),
+                remaining=float(remaining),
+                retry_after=float("inf") if retry_ms < 0 else retry_ms / 1000,
+            )
+        except (TypeError, ValueError) as exc:
+            raise StoreError(f"unexpected lease script reply {reply!r}") from exc
+
+    async def refund(self, check: LimitCheck, tokens: int) -> None:
+        """One bucket, so one slot: `lua/token_refund.lua`, as for a check denied in a later slot."""
+        if self._secret is None:
+            await self._share_secret()
+        _, (capacity, *_) = self._script_args(check)
+        (key,) = self._keys((check,))
+        await self._call(self._refund_script, self._refund_sha, key_slot(key), (key,), (capacity, str(tokens).encode()))
 
     async def read(self, limit: Limit, identity: str) -> BucketReading:
         key = await self._admin_key(limit, identity)
@@ -162,20 +272,25 @@ class RedisStore:
         if len(slots) == 1:
             return _decision(await self._call(self._script, self._sha, next(iter(slots)), keys, self._args(checks)))
         remaining: list[float | None] = [None] * len(checks)
+        resets: list[float | None] = [None] * len(checks)
         charged: list[int] = []
+        wait = 0.0
         for slot in sorted(slots):
             indices = slots[slot]
             part = [checks[i] for i in indices]
             decision = _decision(await self._call(self._script, self._sha, slot, [keys[i] for i in indices], self._args(part)))
-            for i, left in zip(indices, decision.remaining):
-                remaining[i] = left
+            for i, left, reset in zip(indices, decision.remaining, decision.resets):
+                remaining[i], resets[i] = left, reset
             if not decision.allowed:
                 for i in charged:
                     remaining[i] += checks[i].cost  # as found, before this request
                 await self._refund([i for i in charged if checks[i].cost], checks, keys)
-                return StoreDecision(allowed=False, remaining=tuple(remaining), retry_after=decision.retry_after)
+                return StoreDecision(
+                    allowed=False, remaining=tuple(remaining), retry_after=decision.retry_after, resets=tuple(resets)
+                )
             charged += indices
-        return StoreDecision(allowed=True, remaining=tuple(remaining), retry_after=0.0)
+            wait = max(wait, decision.wait)
+        return StoreDecision(allowed=True, remaining=tuple(remaining), retry_after=0.0, wait=wait, resets=tuple(resets))
 
     async def _refund(self, indices: list[int], checks: Sequence[LimitCheck], keys: list[str]) -> None:
         """Give back what `indices` were charged, one call per slot. Awaited, so this
@@ -189,7 +304,7 @@ class RedisStore:
                 self._refund_sha,
                 slot,
                 [keys[i] for i in part],
-                [arg for i in part for arg in self._script_args(checks[i])[0::2]],  # capacity, cost
+                [arg for i in part for arg in self._script_args(checks[i])[1][0::2]],  # capacity (or limit), cost
             )
             for slot, part in slots.items()
         ]
@@ -217,7 +332,7 @@ class RedisStore:
         # a restart also lost the identity secret: offer ours again before another
         # gateway picks a new one. NOSCRIPT means nothing ran, so sending the
         # script itself is safe; EVAL also caches it for the next EVALSHA.
-        if not self._config.key_secret and script is self._script:
+        if not self._config.key_secret and script is not self._refund_script:
             secret = self._secret
             await self._share_secret()
             if self._secret != secret:
@@ -293,29 +408,50 @@ class RedisStore:
         return keys
 
     def _args(self, checks: Sequence[LimitCheck]) -> list[bytes]:
-        return [arg for c in checks for arg in self._script_args(c)]
+        """ARGV: the kind of each limit (b: bucket, q: quota), then four values per limit."""
+        formatted = [self._script_args(c) for c in checks]
+        return [b"".join(kind for kind, _ in formatted), *(arg for _, args in formatted for arg in args)]
 
-    def _script_args(self, check: LimitCheck) -> tuple[bytes, bytes, bytes]:
-        """ARGV for one bucket (capacity, rate per second, cost), formatted once per limit and cost.
-        Keyed by the limit object, so a limit a reload replaced is formatted anew."""
+    def _lease_args(self, limit: ConcurrencyLimit) -> tuple[bytes, bytes]:
+        """A concurrency limit's ARGV after the lease id, its N and TTL in ms, formatted once per
+        limit object (a reload's new limit is formatted anew)."""
+        cached = self._lease_args_cache.get(limit.name)
+        if cached is None or cached[0] is not limit:
+            args = (str(limit.concurrency).encode(), str(math.ceil(limit.lease_ttl * 1000)).encode())
+            self._lease_args_cache[limit.name] = cached = (limit, args)
+        return cached[1]
+
+    def _script_args(self, check: LimitCheck) -> tuple[bytes, tuple[bytes, bytes, bytes, bytes]]:
+        """The kind and ARGV of one limit, formatted once per limit, cost and max_delay: a bucket's
+        capacity, rate per second, cost and debt (max_delay × rate), or a quota's limit, period,
+        cost and offset in ms (`gateway.limiter.memory_store.spec_of`). Keyed by the limit object,
+        so a limit a reload replaced is formatted anew."""
         limit = check.limit
-        key = (id(limit), check.cost)
+        key = (id(limit), check.cost, check.max_delay)
         cached = self._args_cache.get(key)
         if cached is None or cached[0] is not limit:
-            args = (repr(float(limit.burst)).encode(), repr(limit.rate.per_second).encode(), str(check.cost).encode())
-            self._args_cache[key] = cached = (limit, args)
-        return cached[1]
+            spec = spec_of(check)
+            if isinstance(spec, quota.QuotaSpec):
+                kind, values = b"q", (spec.limit, spec.period_ms, spec.cost, spec.offset_ms)
+            else:
+                kind, values = b"b", (spec.capacity, spec.rate, spec.cost, spec.debt)
+            if len(self._args_cache) >= ARGS_CACHE_ENTRIES:
+                self._args_cache.clear()  # mostly limits that reloads replaced, kept alive by this cache
+            self._args_cache[key] = cached = (limit, kind, tuple(repr(float(v)).encode() for v in values))
+        return cached[1], cached[2]
 
 
 def _decision(reply: object) -> StoreDecision:
-    """The token-bucket script's reply: {allowed, {remaining, ...}, retry_after_ms}."""
+    """The token-bucket script's reply: {allowed, {remaining, ...}, retry_after_ms, wait_ms, {reset_ms, ...}}."""
     try:
-        allowed, remaining, retry_ms = reply  # type: ignore[misc]
+        allowed, remaining, retry_ms, wait_ms, resets = reply  # type: ignore[misc]
         retry_ms = int(retry_ms)
         return StoreDecision(
             allowed=bool(allowed),
             remaining=tuple(float(r) for r in remaining),
             retry_after=float("inf") if retry_ms < 0 else retry_ms / 1000,
+            wait=int(wait_ms) / 1000,
+            resets=tuple(None if int(r) < 0 else int(r) / 1000 for r in resets),
         )
     except (TypeError, ValueError) as exc:
         raise StoreError(f"unexpected script reply {reply!r}") from exc

@@ -2,7 +2,10 @@
 
 A store takes the request's list of (limit, identity, cost) and answers with a
 decision in one atomic step: all limits allow and all are charged, or nothing
-is charged. It knows nothing of HTTP. Every failure to reach the shared
+is charged. It also holds concurrency leases: it takes one atomically if
+fewer than the limit's concurrency are live, and gives it up on release. For
+the admin API it reads a bucket or an identity's leases without changing them,
+and forgets them. It knows nothing of HTTP. Every failure to reach the shared
 state is raised as `StoreError`; library exceptions never cross this line.
 """
 
@@ -12,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.config.model import Limit
+from gateway.config.model import ConcurrencyLimit, Limit
 
 
 class StoreError(Exception):
@@ -40,6 +43,9 @@ class LimitCheck:
     limit: Limit
     identity: str  # "source=value", as the client presented it; hashed by the store
     cost: int
+    # The longest this request may wait to be admitted (the limit's max_delay, when the
+    # caller has room to hold it); 0: admitted now or rejected.
+    max_delay: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +54,18 @@ class StoreDecision:
     # Per check, in order. None: not asked, because a check in an earlier Redis Cluster slot denied.
     remaining: tuple[float | None, ...]
     retry_after: float  # seconds; 0 when allowed
+    resets: tuple[float | None, ...]  # per check: seconds until a quota's window ends; None for a bucket or not asked
+    wait: float = 0.0  # seconds an allowed request waits before it goes on (mode: delay)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGrant:
+    """A lease's answer: whole tokens taken from one bucket, at least the check's cost."""
+
+    allowed: bool
+    granted: int  # 0 when denied
+    remaining: float  # the bucket's tokens after the grant, or as found when denied
+    retry_after: float  # seconds; 0 when allowed, inf if the cost exceeds the capacity
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +76,31 @@ class BucketReading:
     held: bool  # False: never charged, or refilled and forgotten; then it is full
     tokens: float  # as refilled up to now
     full_in: float  # seconds until it is full again, left alone
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseCheck:
+    """One request's lease under a concurrency limit."""
+
+    limit: ConcurrencyLimit
+    identity: str  # "source=value", as the client presented it; hashed by the store
+    lease: str  # unique per request across the fleet
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseDecision:
+    admitted: bool
+    in_flight: int  # the identity's live leases after the call
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseReading:
+    """One identity's leases under a concurrency limit as the store holds them now, for the admin API."""
+
+    key: str  # where the store keeps them: the Redis key, or "LIMIT:leases:{DIGEST}" in process
+    in_flight: int  # live leases, by the store's own clock: expired ones count for nothing
+    next_expiry_in: float | None  # seconds until the soonest live lease expires unless renewed; None: none live
+    last_expiry_in: float | None  # seconds until the last one does, were none renewed; None: none live
 
 
 class Store(Protocol):
@@ -71,6 +114,29 @@ class Store(Protocol):
 
     async def check(self, checks: Sequence[LimitCheck]) -> StoreDecision:
         """Check all buckets and charge them all, or none. Raises StoreError."""
+
+    async def acquire(self, lease: LeaseCheck) -> LeaseDecision:
+        """Take the lease if fewer than the limit's concurrency are live, or renew it if held
+        (gateway.limiter.leases). Raises StoreError."""
+
+    async def release(self, lease: LeaseCheck) -> None:
+        """Give the lease up. Raises StoreError; a lease not released expires with its TTL."""
+
+    async def read_leases(self, limit: ConcurrencyLimit, identity: str) -> LeaseReading:
+        """The live leases of `limit` for `identity` ("source=value"), changing nothing. Raises StoreError."""
+
+    async def delete_leases(self, limit: ConcurrencyLimit, identity: str) -> bool:
+        """Forget that identity's leases, so it is admitted again; whether any was live. The
+        requests that held them go on: a later release finds nothing, and a renewal takes the
+        lease afresh if there is room. Raises StoreError."""
+
+    async def lease(self, check: LimitCheck, want: int) -> LeaseGrant:
+        """Take min(`want`, whole tokens held) from one bucket, at least the check's cost, or
+        nothing if it holds less than the cost. Shared stores only. Raises StoreError."""
+
+    async def refund(self, check: LimitCheck, tokens: int) -> None:
+        """Give `tokens` leased for the check's bucket back to it, never past its capacity.
+        Shared stores only. Raises StoreError."""
 
     async def read(self, limit: Limit, identity: str) -> BucketReading:
         """The bucket of `limit` for `identity` ("source=value"), without charging it. Raises StoreError."""

@@ -1,4 +1,5 @@
-"""The request path: route, shed past max_in_flight, rate-limit, then proxy (or answer 404/429/503).
+"""The request path: route, shed past max_in_flight, rate-limit, take concurrency leases, then
+proxy (or answer 404/429/503), giving the leases back when the response has ended.
 
 Knows nothing of Redis: it asks `Limiter.check` for a decision. Trusts the
 config; trusts nothing in the request. The upstream contacted always comes
@@ -8,37 +9,48 @@ request body still arriving is read ahead up to 64 KiB (a chunked one up to the
 route's max_body_size) before an upstream connection is taken, so a client that
 trickles its body holds none. aiohttp client errors are translated here: a
 refused or failed upstream is 502, a slow one 504; no free upstream connection
-within timeout.queue is 503.
+within timeout.queue is 503. A pool route's request goes to the target its
+balancer picks, and after a connect failure to another (gateway.proxy.upstream_pool
+says when); none in rotation is 503. Each of these two 503s is counted once, by
+route and reason, in gateway_upstream_unavailable_total; only these answers touch it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
-from aiohttp import web
-from aiohttp.http import HttpVersion11
+from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion10, HttpVersion11
 from multidict import CIMultiDict
 from yarl import URL
 
 from gateway.access_log import ACCESS_RECORD, AccessRecord, request_id
-from gateway.bounded_protocol import ClientLimitExceeded
+from gateway.bounded_protocol import CANCEL_ON_HANGUP, ClientLimitExceeded, hung_up
 from gateway.config.model import GatewayConfig
-from gateway.limiter.limiter import DENY, FAIL_CLOSED, FAIL_LOCAL, UNLIMITED, Decision, Limiter
+from gateway.limiter.concurrency import Admission
+from gateway.limiter.limiter import UNLIMITED, Decision, Limiter
+from gateway.limiter.outcomes import ALLOW, FAIL_CLOSED, FAIL_OPEN, SKIPPED
 from gateway.limiter.store import LimitCheck
-from gateway.metrics import STATUS_CLASSES, Metrics, method_label
+from gateway.metrics import NO_TARGET, QUEUE_FULL, STATUS_CLASSES, Metrics, method_label
 from gateway.proxy.client_identity import ClientIdentity, IdentityRejected
-from gateway.proxy.headers import GATEWAY_WRITTEN, add_forwarded, end_to_end
+from gateway.proxy.header_rewrite import rewrite_headers
+from gateway.proxy.headers import GATEWAY_WRITTEN, add_forwarded, drop_cgi_aliases, end_to_end, unrelayable_coding
 from gateway.proxy.paths import NormalPath, PathRejected, normalize_path
 from gateway.proxy.problem import problem, problem_response
 from gateway.proxy.protocol import request_line_problem
-from gateway.proxy.ratelimit_headers import ratelimit_headers, retry_after_seconds
-from gateway.proxy.route_plan import Plans, RoutePlan, compile_plans
+from gateway.proxy.health_checks import HealthChecks
+from gateway.proxy.ratelimit_headers import retry_after_seconds
+from gateway.proxy.route_plan import CONCURRENCY_RETRY_AFTER, Plans, PoolPlan, RoutePlan, TargetPlan, compile_plans
+from gateway.proxy.routing import request_host
+from gateway.proxy.tiers import held_to, tier_header, with_allowlisted
+from gateway.proxy.upstream_pool import Outcome, TargetStates, retry_allowed
 from gateway.proxy.upstream_slots import UpstreamSlots
-from gateway.proxy.websocket import is_websocket_upgrade, proxy_websocket
+from gateway.proxy.websocket import WebSocketConnectFailed, is_websocket_upgrade, proxy_websocket
 
 log = logging.getLogger(__name__)
 
@@ -53,45 +65,99 @@ STREAM_CHUNK_BYTES = 64 * 1024
 # 1,000 requests reading ahead hold at most ~64 MB.
 REQUEST_BUFFER_BYTES = 64 * 1024
 _RETRY_AFTER_ONE = {"Retry-After": "1"}  # shared safely: a Response copies the headers it is given
+# nginx's status for a request whose client closed the connection before the answer:
+# logged and counted, never sent, and never a 5xx, which would page someone for a client's choice.
+CLIENT_CLOSED = 499
+# The upstream sessions' own: a request's timeouts are its route's, passed per request.
+_NO_TIMEOUT = aiohttp.ClientTimeout(total=None)
+# Set on a request that asked for 100 Continue and has not been sent it yet (see _expectation).
+_AWAITING_CONTINUE = web.RequestKey("gateway.awaiting_continue", bool)
 
 
 class ProxyHandler:
     def __init__(self, config: GatewayConfig, limiter: Limiter, metrics: Metrics) -> None:
+        # Each pool target's health, ejection and load, kept across reloads.
+        self._targets = TargetStates()
         # Everything compiled from the config sits behind this one reference.
-        self._plans = compile_plans(config, metrics)
+        self._plans = compile_plans(config, metrics, self._targets.update(config))
+        metrics.keep_targets(frozenset(t.name for t in self._plans.pool_targets))
+        self._health = HealthChecks(metrics.target_healthy, metrics.show_targets)
         self._limiter = limiter
         self._metrics = metrics
         self._sessions: dict[str, aiohttp.ClientSession] = {}
+        # By (upstream, connect timeout, read timeout): see _ws_session.
+        self._ws_sessions: dict[tuple[str, float | None, float | None], aiohttp.ClientSession] = {}
         self._connections = config.upstream_connections
         self._slots = {upstream: UpstreamSlots(self._connections) for upstream in self._plans.upstreams}
+        # Upstreams a reload dropped (a pool's targets replaced, a route removed), by the
+        # generation of the config that dropped them. Requests that began on an older config
+        # may still send there, so each session closes once none of those is in flight:
+        # without this, a fleet whose targets change on every deploy kept a session, a
+        # connector and its slots per target it ever had.
+        self._generation = 0
+        self._in_flight_by_generation: dict[int, int] = {}
+        self._retiring: dict[str, int] = {}
+        self._closing: set[asyncio.Future[None]] = set()  # the event loop holds tasks only weakly
         self._in_flight = 0  # requests in handle() now, this one included
+        # Requests that may be waiting out a mode: delay wait: those waiting, and those whose
+        # check may yet tell them to. At most `max_delayed`; past it, checks may not delay.
+        self._delayed = 0
 
     async def start(self) -> None:
         for upstream in self._plans.upstreams:
             self._sessions[upstream] = self._session()
+        self._health.update(self._plans.pool_targets)
 
-    def _session(self) -> aiohttp.ClientSession:
+    def _session(
+        self, connector: aiohttp.BaseConnector | None = None, timeout: aiohttp.ClientTimeout = _NO_TIMEOUT
+    ) -> aiohttp.ClientSession:
+        """An upstream's session, with a connector of its own; or, given another session's
+        `connector`, one that shares it without owning it (see _ws_session)."""
         return aiohttp.ClientSession(
             # Requests wait for a slot in UpstreamSlots, boundedly; the connector's own
             # limit, the same, only ever queues WebSockets, which hold no slot.
-            connector=aiohttp.TCPConnector(limit=self._connections, ttl_dns_cache=60),
+            connector=connector or aiohttp.TCPConnector(limit=self._connections, ttl_dns_cache=60),
+            connector_owner=connector is None,
             auto_decompress=False,
             cookie_jar=aiohttp.DummyCookieJar(),
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
             trust_env=False,
-            timeout=aiohttp.ClientTimeout(total=None),
+            timeout=timeout,
         )
 
     def reload(self, config: GatewayConfig) -> None:
         """Serve `config` from the next request on. A request in flight read the old plans
         once, at its start, and finishes on them; the sessions of upstreams it may still
-        use stay open until close()."""
-        plans = compile_plans(config, self._metrics)
+        use stay open until no request begun before this reload is in flight."""
+        plans = compile_plans(config, self._metrics, self._targets.update(config))
+        self._generation += 1
         for upstream in plans.upstreams:
+            self._retiring.pop(upstream, None)  # named again before its session closed: kept
             if upstream not in self._sessions:
                 self._sessions[upstream] = self._session()
                 self._slots[upstream] = UpstreamSlots(self._connections)
+        kept = set(plans.upstreams)
+        for upstream in self._sessions:
+            if upstream not in kept:
+                self._retiring.setdefault(upstream, self._generation)
         self._plans = plans
+        self._metrics.keep_targets(frozenset(t.name for t in plans.pool_targets))
+        self._health.update(plans.pool_targets)
+        self._close_retired()
+
+    def _close_retired(self) -> None:
+        """Close the sessions of the upstreams dropped by a config that every request still in
+        flight began on (or after): no request can send to them any more."""
+        oldest = min(self._in_flight_by_generation, default=self._generation)
+        doomed = [upstream for upstream, generation in self._retiring.items() if generation <= oldest]
+        for upstream in doomed:
+            del self._retiring[upstream]
+            del self._slots[upstream]
+            sessions = [self._ws_sessions.pop(key) for key in [k for k in self._ws_sessions if k[0] == upstream]]
+            sessions.append(self._sessions.pop(upstream))  # last: it owns the WebSocket sessions' connector
+            task = asyncio.ensure_future(_close_sessions(sessions))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     @property
     def in_flight(self) -> int:
@@ -99,6 +165,12 @@ class ProxyHandler:
         return self._in_flight
 
     async def close(self) -> None:
+        await self._health.close()
+        if self._closing:
+            await asyncio.wait(self._closing)
+        for session in self._ws_sessions.values():
+            await session.close()  # leaves the connector, which its upstream's session closes
+        self._ws_sessions.clear()
         for session in self._sessions.values():
             await session.close()
         self._sessions.clear()
@@ -106,7 +178,10 @@ class ProxyHandler:
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         """Every request on the public listener comes here, whatever its target."""
         plans = self._plans
+        generation = self._generation
         self._in_flight += 1
+        by_generation = self._in_flight_by_generation
+        by_generation[generation] = by_generation.get(generation, 0) + 1
         self._metrics.in_flight.inc()
         requests = plans.unmatched
         response: web.StreamResponse | None = None
@@ -116,25 +191,28 @@ class ProxyHandler:
             response = request_line_problem(request)
             if response is not None:
                 return response
-            if "Expect" in request.headers:
-                response = await _expectation(request)
-                if response is not None:
-                    return response
             raw_path = _raw_path(request)
             if raw_path is None:
                 # CONNECT (whatever its target) and asterisk-form (OPTIONS *) targets name no
                 # resource of ours: this is a reverse proxy, never a tunnel. What follows a
                 # CONNECT was meant as tunnel data, so the connection closes rather than
-                # reading it as requests.
+                # reading it as requests; and this comes before any Expect is answered, so
+                # neither a 100 Continue nor a 417 invites that data.
                 response = problem(400, "Bad Request", "Only origin-form request targets such as /path are served.")
                 response.force_close()
                 return response
+            if "Expect" in request.headers:
+                response = _expectation(request)
+                if response is not None:
+                    return response
             try:
                 path = normalize_path(raw_path, plans.path_rule)
             except PathRejected as exc:
                 response = problem(400, "Bad Request", str(exc))
                 return response
-            plan = plans.router.find(request.method, _request_host(request), path.match)
+            plan = plans.router.find(
+                request.method, request_host(request.headers.get("Host", "")), path.match, request.headers, request.rel_url
+            )
             if plan is None:
                 response = problem(404, "Not Found", "No route matches this request.")
                 return response
@@ -156,7 +234,17 @@ class ProxyHandler:
         finally:
             if response is not None and not response.prepared:
                 response.headers["X-Request-ID"] = record.request_id
+                if _awaiting_continue(request):
+                    # Answered without the body, which the client was never invited to send:
+                    # closing is the one way its next bytes cannot be misread as a request.
+                    response.force_close()
             self._in_flight -= 1
+            if by_generation[generation] == 1:
+                del by_generation[generation]
+                if self._retiring:
+                    self._close_retired()
+            else:
+                by_generation[generation] -= 1
             self._metrics.in_flight.dec()
             status = response.status if response is not None else 500
             requests(method_label(request.method), STATUS_CLASSES[status // 100]).inc()
@@ -164,22 +252,193 @@ class ProxyHandler:
     async def _limited(
         self, request: web.BaseRequest, plan: RoutePlan, plans: Plans, path: NormalPath, record: AccessRecord
     ) -> web.StreamResponse:
+        # A slot to wait in is taken before the check, so waiting requests never pass the cap;
+        # without one, the check may not delay (the store rejects what it cannot admit now).
+        shaping = plan.shaping and self._delayed < plans.max_delayed
+        if shaping:
+            self._delayed += 1
+        started = time.perf_counter()
         try:
-            decision = await self._decide(request, plan, plans.identity, record)
+            decision = await self._decide(request, plan, plans.identity, record, shaping)
+            deciding = time.perf_counter() - started  # the concurrency limits' admission adds to it
+            if decision.wait:
+                started = time.perf_counter()
+                await asyncio.sleep(decision.wait)
+                self._metrics.delay.observe(time.perf_counter() - started)
         except IdentityRejected as exc:
             # Nothing was charged, and the upstream never hears of it.
             return problem(exc.status, exc.title, exc.detail, headers=exc.headers)
-        limit_headers = ratelimit_headers(decision.statuses, plan.policies)
+        finally:
+            if shaping:
+                self._delayed -= 1
+        limit_headers = plan.fields.headers(decision.statuses)
         if not decision.allowed:
+            self._metrics.limiter_latency.observe(deciding)
             return _rejection(plan, decision, limit_headers)
-        url = _upstream_url(request, plan, path)
+        if not plan.concurrency:
+            if plan.limits:
+                self._metrics.limiter_latency.observe(deciding)
+            return await self._proxy_for_client(request, plan, plans, path, limit_headers, record)
+        started = time.perf_counter()
+        try:
+            admission = await self._admit(request, plan, plans.identity, record, store_failed=decision.store_unanswered)
+        except IdentityRejected as exc:
+            return problem(exc.status, exc.title, exc.detail, headers=exc.headers)
+        # One observation a request, its rate limits' check and its concurrency limits' admission
+        # together: a concurrency-only route asks the store too, and went untimed.
+        self._metrics.limiter_latency.observe(deciding + time.perf_counter() - started)
+        if not admission.admitted:
+            return _concurrency_rejection(plan, admission, limit_headers)
+        in_flight = [cp.in_flight for cp in plan.concurrency]
+        for gauge in in_flight:
+            gauge.inc()
+        try:
+            return await self._proxy_for_client(request, plan, plans, path, limit_headers, record)
+        finally:
+            # However the response ended: complete, the client gone, the upstream failed, a WebSocket closed.
+            admission.release()
+            for gauge in in_flight:
+                gauge.dec()
+
+    async def _admit(
+        self,
+        request: web.BaseRequest,
+        plan: RoutePlan,
+        identity: ClientIdentity,
+        record: AccessRecord,
+        *,
+        store_failed: bool,
+    ) -> Admission:
+        """Leases under the route's concurrency limits, after its rate limits allowed
+        (`store_failed`: the store failed their check; the leases take their policies)."""
+        client_ip = record.client or identity.client_ip(request)
+        record.client = client_ip
+        identities = identity.identities(request, plan.concurrency_identity, client_ip)
+        admission = await self._limiter.concurrency.acquire(
+            [cp.limit for cp in plan.concurrency], identities, store_failed=store_failed
+        )
+        record.admission, record.lease_identities = admission, identities
+        for cp, status in zip(plan.concurrency, admission.statuses):
+            cp.decisions(status.outcome).inc()
+        return admission
+
+    async def _proxy_for_client(
+        self,
+        request: web.BaseRequest,
+        plan: RoutePlan,
+        plans: Plans,
+        path: NormalPath,
+        limit_headers: dict[str, str],
+        record: AccessRecord,
+    ) -> web.StreamResponse:
+        if request.transport is None:
+            return self._client_closed(plan)  # it hung up while the limiter decided: the upstream never hears of it
+        rest = _upstream_rest(request, plan, path)
         headers = _forward_headers(request, plan, plans)
         headers["X-Request-ID"] = record.request_id
         if is_websocket_upgrade(request):
-            ws_headers = {**limit_headers, "X-Request-ID": record.request_id}
-            return await proxy_websocket(request, self._sessions[plan.upstream], url, headers, ws_headers)
+            # A WebSocket's end is its own close frame or connection, handled by its relay.
+            return await self._proxy_websocket(request, plan, rest, headers, limit_headers, record)
+        # From here on, a client that hangs up cancels this task: the upstream request is
+        # abandoned rather than finished for nobody (see gateway.bounded_protocol).
+        request[CANCEL_ON_HANGUP] = asyncio.current_task()  # type: ignore[assignment]
+        try:
+            return await self._proxy(request, plan, rest, headers, limit_headers, record)
+        except asyncio.CancelledError:
+            if not hung_up(request):
+                raise  # a shutdown's cancel, not the client's
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            return self._client_closed(plan)
+        finally:
+            request.pop(CANCEL_ON_HANGUP, None)
+
+    def _client_closed(self, plan: RoutePlan) -> web.Response:
+        plan.client_closed().inc()
+        return web.Response(status=CLIENT_CLOSED)
+
+    async def _proxy_websocket(
+        self,
+        request: web.BaseRequest,
+        plan: RoutePlan,
+        rest: str,
+        headers: CIMultiDict[str],
+        limit_headers: dict[str, str],
+        record: AccessRecord,
+    ) -> web.StreamResponse:
+        """A handshake goes to the target the balance picks and, after a connect failure, to
+        another, as far as upstream_pool.retry_allowed lets it, as an HTTP request does: nothing
+        was sent. Its connect failures and accepted handshakes count for passive ejection; the
+        frames that follow hold no upstream slot and count for nothing."""
+        ws_headers = {**limit_headers, "X-Request-ID": record.request_id}
+        timed_out = problem_response(504, plan.upstream_timeout, headers=limit_headers)
+        pool = plan.pool
+        if pool is None:
+            session = self._ws_session(plan.upstream, plan)
+            try:
+                return await proxy_websocket(
+                    request, session, URL(plan.upstream + rest, encoded=True), headers, ws_headers, timed_out,
+                    _handshake_answered(plan, record),
+                )
+            except WebSocketConnectFailed as exc:
+                log.warning("cannot open a WebSocket to upstream %s: %s", plan.upstream, exc.reason)
+                return exc.response
+        tried = 0  # bit i: target i was tried
+        failed: web.Response | None = None
+        while True:
+            index = _next_target(pool, plan, tried, failed, limit_headers)
+            if not isinstance(index, int):
+                return index
+            tried |= 1 << index
+            target = pool.targets[index]
+            record.upstream_target = target.name
+            target.requests.inc()
+            url = URL(target.url + rest, encoded=True)
+            try:
+                return await proxy_websocket(
+                    request, self._ws_session(target.url, plan), url, headers, ws_headers, timed_out,
+                    _handshake_answered(plan, record, target),
+                    opened=lambda: _count(target, Outcome.ANSWERED),
+                )
+            except WebSocketConnectFailed as exc:
+                _count(target, Outcome.CONNECT_FAILED)
+                log.warning("cannot open a WebSocket to upstream target %s: %s", target.name, exc.reason)
+                failed = exc.response
+            retries_used = tried.bit_count() - 1
+            if not retry_allowed(
+                Outcome.CONNECT_FAILED, retries_used=retries_used, retries=pool.retries, remaining=None
+            ):
+                return failed
+
+    def _ws_session(self, upstream: str, plan: RoutePlan) -> aiohttp.ClientSession:
+        """A session for WebSocket handshakes to `upstream` on the upstream's connector, with
+        the route's connect and read timeouts as its own: ws_connect takes no ClientTimeout,
+        and the upstream's session has none, so a handshake to a host that never answered
+        waited for the kernel to give up (about 2 minutes) whatever timeout.connect said.
+        aiohttp lifts the read timeout once the handshake is done."""
+        key = (upstream, plan.timeout.sock_connect, plan.timeout.sock_read)
+        session = self._ws_sessions.get(key)
+        if session is None:
+            session = self._ws_sessions[key] = self._session(
+                self._sessions[upstream].connector,
+                aiohttp.ClientTimeout(total=None, sock_connect=key[1], sock_read=key[2]),
+            )
+        return session
+
+    async def _proxy(
+        self,
+        request: web.BaseRequest,
+        plan: RoutePlan,
+        rest: str,
+        headers: CIMultiDict[str],
+        limit_headers: dict[str, str],
+        record: AccessRecord,
+    ) -> web.StreamResponse:
+        """An HTTP request (not a WebSocket handshake): its body, then the upstream or pool."""
+        pool = plan.pool
         body: _Body = request.content if request.body_exists else None
         try:
+            if _awaiting_continue(request):
+                await _continue(request)
             if body is not None and plan.max_body_size is not None and request.content_length is None:
                 # A chunked body declares no length: it is read whole, up to the cap,
                 # so a body over the cap never reaches the upstream.
@@ -194,9 +453,13 @@ class ProxyHandler:
         except ClientLimitExceeded as exc:
             return exc.response()  # client_body_timeout
         except ConnectionError:
-            return problem(400, "Bad Request", "The connection closed before the request body ended.")
+            return self._client_closed(plan)  # the connection closed before the request body ended
+        if pool is not None:
+            return await self._forward_pool(request, plan, pool, rest, headers, limit_headers, body, record)
+        url = URL(plan.upstream + rest, encoded=True)
         slots = self._slots[plan.upstream]
         if not slots.try_take() and not await slots.take(plan.queue_timeout):
+            plan.unavailable(QUEUE_FULL).inc()
             return problem_response(503, plan.queue_full, headers={**limit_headers, **_RETRY_AFTER_ONE})
         try:
             return await self._forward(request, plan, url, headers, limit_headers, body, record)
@@ -204,25 +467,81 @@ class ProxyHandler:
             slots.give_back()
 
     async def _decide(
-        self, request: web.BaseRequest, plan: RoutePlan, identity: ClientIdentity, record: AccessRecord
+        self, request: web.BaseRequest, plan: RoutePlan, identity: ClientIdentity, record: AccessRecord, shaping: bool
     ) -> Decision:
         if not plan.limits:
             return UNLIMITED
-        started = time.perf_counter()
         client_ip = record.client = identity.client_ip(request)
         identities = identity.identities(request, plan.identity, client_ip)
         checks = [
-            LimitCheck(limit=lp.limit, identity=who, cost=lp.cost) for lp, who in zip(plan.limits, identities)
+            LimitCheck(limit=lp.limit, identity=who, cost=lp.cost, max_delay=lp.limit.max_delay if shaping else 0.0)
+            for lp, who in zip(plan.limits, identities)
         ]
+        asked, held = checks, None
+        if plan.classified:
+            trusted = identity.address(request.remote or "")[1]
+            held = [held_to(c.limit, c.identity, client_ip, tier_header(request, c.limit, trusted)) for c in checks]
+            asked = [dataclasses.replace(c, limit=limit) for c, limit in zip(checks, held) if limit is not None]
         if plan.shadowed:
-            decision = await self._limiter.check_with_shadow(checks)
+            decision = await self._limiter.check_with_shadow(asked)
         else:
-            decision = await self._limiter.check(checks)
+            decision = await self._limiter.check(asked)
+        if held is not None:
+            decision = with_allowlisted(decision, checks, held)
         record.checks, record.decision = checks, decision
-        self._metrics.limiter_latency.observe(time.perf_counter() - started)
         for lp, status in zip(plan.limits, decision.statuses):
             lp.decisions(status.outcome).inc()
         return decision
+
+    async def _forward_pool(
+        self,
+        request: web.BaseRequest,
+        plan: RoutePlan,
+        pool: PoolPlan,
+        rest: str,
+        headers: CIMultiDict[str],
+        limit_headers: dict[str, str],
+        body: _Body,
+        record: AccessRecord,
+    ) -> web.StreamResponse:
+        """Send the request to the target the pool's balancer picks; after a connect failure,
+        to another, as far as upstream_pool.retry_allowed lets it. The limiter decided once,
+        before: a retry charges the client nothing."""
+        started = time.monotonic()
+        tried = 0  # bit i: target i was tried
+        timeout = plan.timeout
+        failed: web.StreamResponse | None = None  # the 502 or 504 of the last connect failure
+        while True:
+            index = _next_target(pool, plan, tried, failed, limit_headers)
+            if not isinstance(index, int):
+                return index
+            tried |= 1 << index
+            target = pool.targets[index]
+            record.upstream_target = target.name
+            slots = self._slots[target.url]
+            if not slots.try_take() and not await slots.take(plan.queue_timeout):
+                plan.unavailable(QUEUE_FULL).inc()
+                return problem_response(503, plan.queue_full, headers={**limit_headers, **_RETRY_AFTER_ONE})
+            target.requests.inc()
+            target.state.in_flight += 1
+            try:
+                url = URL(target.url + rest, encoded=True)
+                return await self._forward(request, plan, url, headers, limit_headers, body, record, target, timeout)
+            except _ConnectFailed as exc:
+                failed = exc.response
+            finally:
+                target.state.in_flight -= 1
+                slots.give_back()
+            retries_used = tried.bit_count() - 1
+            remaining = None if plan.total_timeout is None else plan.total_timeout - (time.monotonic() - started)
+            if not retry_allowed(
+                Outcome.CONNECT_FAILED, retries_used=retries_used, retries=pool.retries, remaining=remaining
+            ):
+                return failed
+            if remaining is not None:
+                timeout = aiohttp.ClientTimeout(
+                    total=remaining, sock_connect=plan.timeout.sock_connect, sock_read=plan.timeout.sock_read
+                )
 
     async def _forward(
         self,
@@ -233,8 +552,12 @@ class ProxyHandler:
         limit_headers: dict[str, str],
         body: _Body,
         record: AccessRecord,
+        target: TargetPlan | None = None,
+        timeout: aiohttp.ClientTimeout | None = None,
     ) -> web.StreamResponse:
-        session = self._sessions[plan.upstream]
+        """Send one attempt and relay its answer. `target`: the pool target it goes to, whose
+        outcome is counted; a connect failure then raises _ConnectFailed with its 502 or 504."""
+        session = self._sessions[plan.upstream if target is None else target.url]
         sent = time.perf_counter()
         try:
             async with session.request(
@@ -243,56 +566,160 @@ class ProxyHandler:
                 headers=headers,
                 data=body,
                 allow_redirects=False,
-                timeout=plan.timeout,
+                timeout=timeout or plan.timeout,
                 compress=None,
             ) as upstream:
                 latency = time.perf_counter() - sent
                 plan.upstream_latency().observe(latency)
-                record.upstream_status, record.upstream_ms = upstream.status, round(latency * 1000, 3)
-                # A small upstream answer usually arrives in one read, body and end included.
-                arrived = upstream.content.is_eof()
-                response = (_ArrivedResponse if arrived else web.StreamResponse)(
-                    status=upstream.status, reason=upstream.reason
-                )
-                response.headers.extend(end_to_end(upstream.headers))
-                response.headers.update(limit_headers)
-                response.headers["X-Request-ID"] = record.request_id
-                await response.prepare(request)
+                if target is not None:
+                    target.latency.observe(latency)
+                # One outcome per attempt, counted once its relay has ended: a response cut off
+                # mid-body is a failure, not an answer and then a failure, which reset the
+                # count each time and kept a target that cuts every response from being ejected.
+                outcome = Outcome.SERVER_ERROR if upstream.status >= 500 else Outcome.ANSWERED
                 try:
-                    if arrived:
-                        await response.write_eof(await upstream.content.read())
+                    record.upstream_status, record.upstream_ms = upstream.status, round(latency * 1000, 3)
+                    if hdrs.TRANSFER_ENCODING in upstream.headers and unrelayable_coding(upstream.headers):
+                        # aiohttp removed the chunked framing only: relayed, the body reached the
+                        # client still gzipped (say) and labelled as nothing (gateway.proxy.headers).
+                        outcome = Outcome.FAILED
+                        log.warning(
+                            "upstream %s sent a transfer coding other than chunked",
+                            plan.upstream if target is None else target.name,
+                        )
+                        upstream.close()  # its body is never read: the connection is not reused
+                        return problem(502, "Bad Gateway", "The upstream failed.", headers=limit_headers)
+                    # A small upstream answer usually arrives in one read, body and end included.
+                    arrived = upstream.content.is_eof()
+                    response = (_ArrivedResponse if arrived else _RelayedResponse)(
+                        status=upstream.status, reason=upstream.reason
+                    )
+                    response.headers.extend(end_to_end(upstream.headers))
+                    plan.locations.apply(response.headers, headers)
+                    if plan.response_headers is not None:
+                        rewrite_headers(response.headers, plan.response_headers)
+                    response.headers.update(limit_headers)
+                    response.headers["X-Request-ID"] = record.request_id
+                    if request.version == HttpVersion10 and hdrs.CONTENT_LENGTH not in response.headers:
+                        # To HTTP/1.0 such a body ends with the connection, and aiohttp kept the
+                        # connection of a keep-alive client: it waited out keepalive_timeout.
+                        response.force_close()
+                    await response.prepare(request)
+                    try:
+                        if arrived:
+                            await response.write_eof(await upstream.content.read())
+                            return response
+                        async for chunk in upstream.content.iter_chunked(STREAM_CHUNK_BYTES):
+                            await response.write(chunk)
+                    except ConnectionResetError:
+                        return response  # the client went away; closing the upstream response frees it
+                    except asyncio.CancelledError:
+                        if not hung_up(request):
+                            raise
+                        # The client went away mid-response: its status was sent, and is what is logged.
+                        asyncio.current_task().uncancel()  # type: ignore[union-attr]
                         return response
-                    async for chunk in upstream.content.iter_chunked(STREAM_CHUNK_BYTES):
-                        await response.write(chunk)
-                except ConnectionResetError:
-                    return response  # the client went away; closing the upstream response frees it
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                    # The status line is gone; all that is left is to cut the connection.
-                    log.warning("upstream %s failed mid-response: %s", plan.upstream, exc or type(exc).__name__)
-                    if request.transport is not None:
-                        request.transport.close()
+                    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                        # The status line is gone; all that is left is to cut the connection.
+                        outcome = Outcome.FAILED
+                        log.warning(
+                            "upstream %s failed mid-response: %s",
+                            plan.upstream if target is None else target.name, exc or type(exc).__name__,
+                        )
+                        if request.transport is not None:
+                            request.transport.close()
+                        return response
+                    await response.write_eof()
                     return response
-                await response.write_eof()
-                return response
+                finally:
+                    if target is not None:
+                        _count(target, outcome)
         # Every response on a limited route carries the RateLimit fields, errors included.
-        except asyncio.TimeoutError:
+        except asyncio.TimeoutError as exc:
             stalled = request.content.exception()
             if isinstance(stalled, ClientLimitExceeded):
                 return stalled.response()
-            return problem_response(504, plan.upstream_timeout, headers=limit_headers)
+            timed_out = problem_response(504, plan.upstream_timeout, headers=limit_headers)
+            if target is None:
+                return timed_out
+            if isinstance(exc, aiohttp.ConnectionTimeoutError):
+                _count(target, Outcome.CONNECT_FAILED)
+                log.warning("cannot connect to upstream target %s: timed out", target.name)
+                raise _ConnectFailed(timed_out) from None
+            _count(target, Outcome.TIMEOUT)
+            return timed_out
         # The client learns what failed, never where: the upstream's address stays in the log.
         except aiohttp.ClientConnectorError as exc:
-            log.warning("cannot connect to upstream %s: %s", plan.upstream, exc.os_error.strerror or exc)
-            return problem(502, "Bad Gateway", "Cannot connect to the upstream.", headers=limit_headers)
+            where = plan.upstream if target is None else f"target {target.name}"
+            log.warning("cannot connect to upstream %s: %s", where, exc.os_error.strerror or exc)
+            refused = problem(502, "Bad Gateway", "Cannot connect to the upstream.", headers=limit_headers)
+            if target is None:
+                return refused
+            _count(target, Outcome.CONNECT_FAILED)
+            raise _ConnectFailed(refused) from None
         except aiohttp.ClientError as exc:
             stalled = request.content.exception()
             if isinstance(stalled, ClientLimitExceeded):
                 return stalled.response()  # the client's body stalled (client_body_timeout), not the upstream
-            log.warning("upstream %s failed: %s: %s", plan.upstream, type(exc).__name__, exc)
+            if target is not None:
+                _count(target, Outcome.FAILED)
+            where = plan.upstream if target is None else f"target {target.name}"
+            log.warning("upstream %s failed: %s: %s", where, type(exc).__name__, exc)
             return problem(502, "Bad Gateway", "The upstream failed.", headers=limit_headers)
 
 
-class _ArrivedResponse(web.StreamResponse):
+class _ConnectFailed(Exception):
+    """A pool attempt that could not connect: nothing was sent, so another target may take
+    the request. `response` is the client's answer if none does."""
+
+    def __init__(self, response: web.Response) -> None:
+        super().__init__()
+        self.response = response
+
+
+def _handshake_answered(
+    plan: RoutePlan, record: AccessRecord, target: TargetPlan | None = None
+) -> Callable[[int, float], None]:
+    """What a WebSocket handshake's upstream answer records, as an HTTP response's does:
+    the access line's upstream_status and upstream_ms, and the upstream latencies."""
+
+    def answered(status: int, latency: float) -> None:
+        plan.upstream_latency().observe(latency)
+        if target is not None:
+            target.latency.observe(latency)
+        record.upstream_status, record.upstream_ms = status, round(latency * 1000, 3)
+
+    return answered
+
+
+def _count(target: TargetPlan, outcome: Outcome) -> None:
+    """Count one attempt's outcome on a pool target: its metrics and its passive ejection."""
+    if outcome is not Outcome.ANSWERED:
+        target.errors(outcome.value).inc()
+    if target.state.answered(outcome, time.monotonic()):
+        target.ejections.inc()
+        passive = target.state.passive
+        assert passive is not None  # only a target with passive ejection is ejected
+        log.warning(
+            "upstream target %s is out of rotation for %g s after %d consecutive failures",
+            target.name, passive.eject_for, passive.eject_after,
+        )
+
+
+class _RelayedResponse(web.StreamResponse):
+    """An upstream's response, relayed with no Content-Type where the upstream sent none.
+    aiohttp gives any response with content one of application/octet-stream, which tells a
+    browser to download what it would otherwise have sniffed and shown (RFC 9110 §8.3 leaves
+    that to the recipient); nginx and Envoy add none either."""
+
+    async def _prepare_headers(self) -> None:  # aiohttp's, run as the response starts
+        typed = hdrs.CONTENT_TYPE in self.headers
+        await super()._prepare_headers()
+        if not typed:
+            self.headers.popall(hdrs.CONTENT_TYPE, None)
+
+
+class _ArrivedResponse(_RelayedResponse):
     """For an upstream response whose body has already arrived whole: its status line and
     headers wait for that body and leave with it in one write, as aiohttp's own Response
     does, instead of a write each. The client waits for nothing, since nothing is left to
@@ -301,19 +728,55 @@ class _ArrivedResponse(web.StreamResponse):
     _send_headers_immediately = False  # aiohttp's switch, False in its Response class
 
 
-async def _expectation(request: web.BaseRequest) -> web.Response | None:
-    """Answer `Expect` as aiohttp's router did before the handler ran: `100-continue` gets
-    its interim response, so the client sends the body; any other expectation gets 417
-    (RFC 9110 §10.1.1). HTTP/1.0 has no interim responses, so there it is ignored."""
+def _expectation(request: web.BaseRequest) -> web.Response | None:
+    """Check `Expect`: `100-continue` on a request with a body is remembered, and its interim
+    response waits until the body is about to be read (_continue), so that a 404, 413, 429 or
+    503 decided from the head alone comes first and the client never sends a body no one will
+    read (RFC 9110 §10.1.1; nginx sends its 100 Continue only when it reads the body, too).
+    Any other expectation gets 417. HTTP/1.0 has no interim responses, so there it is ignored."""
     if request.version != HttpVersion11:
         return None
-    expect = request.headers["Expect"]
-    if expect.lower() != "100-continue":
+    if request.headers["Expect"].lower() != "100-continue":
         return problem(417, "Expectation Failed", "Only the expectation 100-continue is understood.")
+    if request.body_exists:
+        request[_AWAITING_CONTINUE] = True
+    return None
+
+
+def _awaiting_continue(request: web.BaseRequest) -> bool:
+    """Whether `_expectation` held back a 100 Continue not sent yet. Most requests send no
+    Expect: the header test spares them a miss in the request's mapping, which raises and
+    catches a KeyError, twice a request."""
+    return hdrs.EXPECT in request.headers and _AWAITING_CONTINUE in request
+
+
+async def _continue(request: web.BaseRequest) -> None:
+    """Send the 100 Continue that `_expectation` held back: the body is wanted now."""
+    del request[_AWAITING_CONTINUE]
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the interim response is not part of the response's size
     await request.writer.drain()
-    return None
+
+
+def _next_target(
+    pool: PoolPlan, plan: RoutePlan, tried: int, failed: web.StreamResponse | None, limit_headers: dict[str, str]
+) -> int | web.StreamResponse:
+    """The index of the target for the next attempt (a retry counted as one), or, with none
+    left, the answer: the last attempt's failure, else 503 for want of a target."""
+    index = pool.balancer.choose(time.monotonic(), tried)
+    if index is not None:
+        if tried:
+            plan.retried.inc()
+        return index
+    if failed is not None:
+        return failed
+    plan.unavailable(NO_TARGET).inc()
+    return problem_response(503, pool.no_target, headers={**limit_headers, **_RETRY_AFTER_ONE})
+
+
+async def _close_sessions(sessions: list[aiohttp.ClientSession]) -> None:
+    for session in sessions:
+        await session.close()
 
 
 def _body_too_large(plan: RoutePlan, headers: dict[str, str] | None = None) -> web.Response:
@@ -346,13 +809,31 @@ async def _stream_on(parts: list[bytes], content: aiohttp.StreamReader) -> Async
 
 
 def _rejection(plan: RoutePlan, decision: Decision, limit_headers: dict[str, str]) -> web.Response:
+    """A request over its limits: answered as the first limit that denied it (in the route's
+    order) says, with Retry-After whatever its header style. A fail-closed limit whose store
+    failed: 503 problem+json with Retry-After: 1."""
     if decision.store_failed:
         names = tuple(s.limit.name for s in decision.statuses if s.outcome == FAIL_CLOSED and not s.limit.shadow)
-        return problem_response(503, plan.rejection(503, names).body(), headers=_RETRY_AFTER_ONE)
-    denied = tuple(s.limit.name for s in decision.statuses if s.outcome in (DENY, FAIL_LOCAL) and not s.limit.shadow)
+        return problem_response(503, plan.store_unavailable(names).body(), headers=_RETRY_AFTER_ONE)
+    denied = [(lp, s) for lp, s in zip(plan.limits, decision.statuses) if s.denied and not s.limit.shadow]
+    first = denied[0][0]
+    status = first.limit.response.status
     retry_after = str(retry_after_seconds(decision.retry_after))
+    headers = {**limit_headers, "Retry-After": retry_after}
+    if first.body is not None:
+        return web.Response(status=status, body=retry_after.encode().join(first.body), headers={**headers, **first.headers})
+    names = tuple(s.limit.name for _, s in denied)
+    return problem_response(status, plan.rejection(status, names).body(retry_after), headers=headers)
+
+
+def _concurrency_rejection(plan: RoutePlan, admission: Admission, limit_headers: dict[str, str]) -> web.Response:
+    if admission.store_failed:
+        names = tuple(s.limit.name for s in admission.statuses if s.outcome == FAIL_CLOSED)
+        return problem_response(503, plan.store_unavailable(names).body(), headers=_RETRY_AFTER_ONE)
+    refused = next(i for i, s in enumerate(admission.statuses) if s.outcome not in (ALLOW, SKIPPED, FAIL_OPEN))
+    retry_after = str(retry_after_seconds(CONCURRENCY_RETRY_AFTER))
     return problem_response(
-        429, plan.rejection(429, denied).body(retry_after), headers={**limit_headers, "Retry-After": retry_after}
+        429, plan.concurrency[refused].limited, headers={**limit_headers, "Retry-After": retry_after}
     )
 
 
@@ -369,19 +850,26 @@ def _raw_path(request: web.BaseRequest) -> str | None:
     return raw_path if raw_path[:1] == "/" else None
 
 
-def _upstream_url(request: web.BaseRequest, plan: RoutePlan, path: NormalPath) -> URL:
-    """The route's upstream, the path as it was matched (less the prefix with strip_prefix),
-    and the query as received."""
+def _upstream_rest(request: web.BaseRequest, plan: RoutePlan, path: NormalPath) -> str:
+    """What follows the upstream's base URL: the path as it was matched (less the prefix
+    with strip_prefix), and the query as received."""
     forward = path.forward if plan.strip is None else plan.strip.rest(path.forward)
     query = request.rel_url.raw_query_string
-    return URL(plan.upstream + forward + ("?" + query if query else ""), encoded=True)
+    return forward + ("?" + query if query else "")
 
 
 def _forward_headers(request: web.BaseRequest, plan: RoutePlan, plans: Plans) -> CIMultiDict[str]:
     headers = end_to_end(request.headers, GATEWAY_WRITTEN)
+    # The gateway answered the expectation itself. Passed on, it made aiohttp hold the body
+    # until the upstream sent a 100 Continue, which an upstream need not send: the request
+    # then waited out its timeout for a 504. nginx clears it too (proxy_set_header Expect "").
+    headers.popall("Expect", None)
     original_host = request.headers.get("Host", "")
     if not plan.preserve_host:
         headers.popall("Host", None)
+    drop_cgi_aliases(headers, plan.cgi_written)
+    if plan.request_headers is not None:
+        rewrite_headers(headers, plan.request_headers)
     remote = request.remote or ""
     peer, trusted = plans.identity.address(remote)  # a dict hit for a returning client
     add_forwarded(
@@ -393,13 +881,3 @@ def _forward_headers(request: web.BaseRequest, plan: RoutePlan, plans: Plans) ->
         replace=plans.replace_forwarded,
     )
     return headers
-
-
-def _request_host(request: web.BaseRequest) -> str:
-    """The Host header as routes match it: lower case, without its port, and without the
-    trailing dot of a fully qualified name, which names the same host (`api.example.com.`)."""
-    host = request.headers.get("Host", "").lower()
-    if host.startswith("["):
-        return host.partition("]")[0] + "]"
-    host = host.rpartition(":")[0] if ":" in host else host
-    return host[:-1] if host.endswith(".") else host

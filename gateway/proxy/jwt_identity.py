@@ -59,9 +59,19 @@ class JwtVerifier:
         if claims is not None and len(token) <= VERIFIED_MEMO_TOKEN_CHARS:
             if len(self._verified) >= VERIFIED_MEMO_SIZE:
                 self._verified.clear()
-            exp = claims.get("exp")  # PyJWT has checked that it is a number, if present
-            self._verified[token] = (claims, None if exp is None else float(exp) + self._config.leeway)
+            self._verified[token] = (claims, self._expiry(claims.get("exp")))
         return claims
+
+    def _expiry(self, exp: Any) -> float | None:
+        """When a verified token stops counting: PyJWT reads `exp` as int(exp) (a number, or a
+        string of digits) and refuses it once now >= exp + leeway. None if never, including an
+        `exp` too large for a float (a 400-digit integer), which would not end before then."""
+        if exp is None:
+            return None
+        try:
+            return float(int(exp)) + self._config.leeway
+        except OverflowError:
+            return None
 
     def _verify(self, token: str) -> Mapping[str, Any] | None:
         try:

@@ -36,6 +36,7 @@ from aiohttp import web_protocol
 from aiohttp.web_protocol import RequestHandler
 
 from gateway.bounded_protocol import BoundedRequestHandler, BoundedServer
+from gateway.proxy.headers import unrelayable_coding
 from gateway.proxy.problem import problem
 
 log = logging.getLogger("gateway.protocol")
@@ -55,7 +56,7 @@ _MALFORMED = "The request is malformed."
 # unreserved characters: sub-delims (`!$&'()*+,;=`) and %-escapes name no real host and
 # are how `evil.example/@x`-style values confuse an upstream's URL parser. An IP-literal
 # is an IPv6 address in brackets. RFC 9112 §3.2 asks for 400 on an invalid Host.
-_VALID_HOST = re.compile(r"(?:[A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{0,5})?")
+VALID_HOST = re.compile(r"(?:[A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{0,5})?")
 
 
 def request_parser() -> str:
@@ -75,7 +76,7 @@ def host_problem(request: web.BaseRequest) -> web.Response | None:
         return problem(400, "Bad Request", "An HTTP/1.1 request needs a Host header.")
     if len(hosts) > 1:
         return problem(400, "Bad Request", "The Host header is given more than once.")
-    if _VALID_HOST.fullmatch(hosts[0]) is None:
+    if VALID_HOST.fullmatch(hosts[0]) is None:
         return problem(400, "Bad Request", "The Host header is not a valid host[:port].")
     return None
 
@@ -91,9 +92,21 @@ def version_problem(request: web.BaseRequest) -> web.Response | None:
     return response
 
 
+def coding_problem(request: web.BaseRequest) -> web.Response | None:
+    """A 501 for a request body in a transfer coding other than chunked, such as
+    `Transfer-Encoding: gzip, chunked`: llhttp removes the chunked framing and leaves the
+    gzip, which reached the upstream as a plain body (see gateway.proxy.headers). Nothing
+    of the body is read, so the connection closes, as nginx closes it."""
+    if hdrs.TRANSFER_ENCODING not in request.headers or not unrelayable_coding(request.headers):
+        return None
+    response = problem(501, "Not Implemented", "Only the chunked transfer coding is accepted.")
+    response.force_close()
+    return response
+
+
 def request_line_problem(request: web.BaseRequest) -> web.Response | None:
-    """The version and Host checks, in that order: the proxy handler's first step."""
-    return version_problem(request) or host_problem(request)
+    """The version, Host and transfer coding checks, in that order: the proxy handler's first step."""
+    return version_problem(request) or host_problem(request) or coding_problem(request)
 
 
 class _Request(web.BaseRequest):

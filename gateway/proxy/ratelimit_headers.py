@@ -1,53 +1,163 @@
-"""The RateLimit-Policy and RateLimit response fields, per
-draft-ietf-httpapi-ratelimit-headers: `"name";q=QUOTA;w=WINDOW` and
-`"name";r=REMAINING;t=RESET`.
+"""The rate-limit fields of a response, in each limit's `response.headers` style,
+compiled per route at load time.
 
-For a token bucket the quota `q` is the burst, the window `w` is the time an
-empty bucket takes to refill, `r` is the whole tokens left, and `t` is the
-seconds until the bucket is full again. Only the most restrictive limit is
-described: the one with the fewest requests left.
+`ietf` follows draft-ietf-httpapi-ratelimit-headers: `RateLimit-Policy` lists
+every ietf-style limit of the route, `"name";q=QUOTA;w=WINDOW, ...` (the draft
+allows a list), and `RateLimit: "name";r=REMAINING;t=RESET` names the one
+closest to exhaustion. `x-ratelimit` sends `X-RateLimit-Limit`,
+`X-RateLimit-Remaining` and `X-RateLimit-Reset` for the x-ratelimit-style limit
+closest to exhaustion, as GitHub and Kong do, except that the reset is seconds
+from now (as `t` and Retry-After are), not an epoch: the bucket runs on the
+store's clock, and a client's clock need not agree with it. `none` limits are
+not advertised. A route mixing styles sends each set for its own limits. A
+set is sent only when some limit in it is known, so a request no store answered
+(failed open, say) carries none: their absence says the store did not decide.
+
+For a token bucket the quota (`q`, `X-RateLimit-Limit`) is the burst, the window
+`w` the seconds an empty bucket takes to refill, the remaining the whole tokens
+left, and the reset the seconds until the bucket is full again. A limit decided
+by its `on_store_error: local` stand-in is described as that stand-in: its
+share of the burst and rate, the quota actually applied. A bucket in debt
+(`mode: delay`) shows 0 left, and resets when its debt is repaid and it is full.
+For a quota (a fixed window), `q` is its limit, `w` its window (a month's
+nominally 30 days), and the reset the seconds until its window ends, as the
+store's clock measured it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
-from gateway.config.model import Limit
-from gateway.limiter.limiter import LimitStatus
+from gateway.config.model import HeaderStyle, Limit
+from gateway.limiter.limiter import LimitStatus, local_share
+from gateway.limiter.outcomes import FAIL_LOCAL
 
 
-def most_restrictive(statuses: Sequence[LimitStatus]) -> int | None:
-    """The index of the status with the fewest requests left, or None if none is known."""
-    best: int | None = None
+@dataclass(frozen=True, slots=True)
+class Advertised:
+    """One limit of a route as its fields describe it."""
+
+    index: int  # in the route's limits, and so in a decision's statuses
+    limit: Limit
+    local: Limit  # what `on_store_error: local` applies in its place (`limit` when it is not local)
+    policy: str  # the RateLimit-Policy item of `limit`
+    local_policy: str  # ... and of `local`
+    tier_policies: Mapping[str, str]  # ... and of each of its tiers, by the tier's limit name (LIMIT/TIER)
+
+    def applied(self, status: LimitStatus, local_divisor: int) -> Limit:
+        """The limit that decided `status`: the local stand-in, or the limit itself, or the
+        client's tier of it (`status.limit`, named LIMIT/TIER)."""
+        if status.limit is not self.limit:  # a tier: its own numbers, and its own local share
+            return local_share(status.limit, local_divisor, status.cost) if _decided_locally(status) else status.limit
+        return self.local if _decided_locally(status) else self.limit
+
+    def policy_for(self, status: LimitStatus, local_divisor: int) -> str:
+        if status.limit is self.limit:
+            return self.local_policy if _decided_locally(status) else self.policy
+        if _decided_locally(status):  # a tier's local share: only while the store is down
+            return policy(self.applied(status, local_divisor))
+        return self.tier_policies[status.limit.name]
+
+    def as_configured(self, status: LimitStatus) -> bool:
+        """Whether `status` was decided by the limit itself, so its policy is `policy`."""
+        return status.limit is self.limit and not _decided_locally(status)
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitFields:
+    """A route's rate-limit fields, compiled from its limits."""
+
+    ietf: tuple[Advertised, ...]
+    x: tuple[Advertised, ...]
+    policy: str  # RateLimit-Policy while every ietf limit is decided as configured
+    # Some ietf limit has a local stand-in or tiers, whose policy may replace its own.
+    varies: bool
+    local_divisor: int  # store.local_divisor: the share a local stand-in of a tier applies
+
+    @classmethod
+    def of(cls, limits: Sequence[tuple[Limit, Limit]], local_divisor: int = 1) -> RateLimitFields:
+        """`limits`: each limit of the route, in order, with its local stand-in."""
+        advertised = [
+            Advertised(
+                index=i,
+                limit=limit,
+                local=local,
+                policy=policy(limit),
+                local_policy=policy(local),
+                tier_policies={tier.name: policy(tier) for tier in limit.tiers.limits.values()} if limit.tiers else {},
+            )
+            for i, (limit, local) in enumerate(limits)
+        ]
+        ietf = tuple(a for a in advertised if a.limit.response.headers is HeaderStyle.IETF)
+        x = tuple(a for a in advertised if a.limit.response.headers is HeaderStyle.X_RATELIMIT)
+        return cls(
+            ietf=ietf,
+            x=x,
+            policy=", ".join(a.policy for a in ietf),
+            varies=any(a.local is not a.limit or a.limit.tiers is not None for a in ietf),
+            local_divisor=local_divisor,
+        )
+
+    def headers(self, statuses: Sequence[LimitStatus]) -> dict[str, str]:
+        """The fields for a decision's `statuses` (one per limit of the route)."""
+        fields: dict[str, str] = {}
+        divisor = self.local_divisor
+        chosen = most_restrictive(statuses, self.ietf, divisor)
+        if chosen is not None:
+            if self.varies and not all(a.as_configured(statuses[a.index]) for a in self.ietf):
+                fields["RateLimit-Policy"] = ", ".join(a.policy_for(statuses[a.index], divisor) for a in self.ietf)
+            else:
+                fields["RateLimit-Policy"] = self.policy
+            limit, remaining, reset = _state(chosen.applied(statuses[chosen.index], divisor), statuses[chosen.index])
+            fields["RateLimit"] = f'"{limit.name}";r={remaining};t={reset}'
+        if self.x:
+            chosen = most_restrictive(statuses, self.x, divisor)
+            if chosen is not None:
+                limit, remaining, reset = _state(chosen.applied(statuses[chosen.index], divisor), statuses[chosen.index])
+                fields["X-RateLimit-Limit"] = str(math.floor(limit.burst))
+                fields["X-RateLimit-Remaining"] = str(remaining)
+                fields["X-RateLimit-Reset"] = str(reset)
+        return fields
+
+
+def most_restrictive(
+    statuses: Sequence[LimitStatus], candidates: Sequence[Advertised], local_divisor: int = 1
+) -> Advertised | None:
+    """Of `candidates`, the one with the fewest requests left (the slower to refill on a
+    tie), or None if no candidate's remaining is known."""
+    best: Advertised | None = None
     best_rank: tuple[float, float] | None = None
-    for index, status in enumerate(statuses):
+    for candidate in candidates:
+        status = statuses[candidate.index]
         if status.remaining is None:
             continue
-        rank = (status.remaining // max(status.cost, 1), -status.limit.refill_seconds)
+        rank = (status.remaining // max(status.cost, 1), -candidate.applied(status, local_divisor).refill_seconds)
         if best_rank is None or rank < best_rank:
-            best, best_rank = index, rank
+            best, best_rank = candidate, rank
     return best
 
 
+def _decided_locally(status: LimitStatus) -> bool:
+    """Whether the local stand-in decided (with a fail-closed limit beside it, none did)."""
+    return status.outcome == FAIL_LOCAL and status.remaining is not None
+
+
+def _state(limit: Limit, status: LimitStatus) -> tuple[Limit, int, int]:
+    """The limit applied, its whole tokens left, and the whole seconds until it is full
+    (for a quota, until its window ends)."""
+    held = status.remaining or 0.0  # below 0 for a bucket in debt (mode: delay)
+    if status.reset is not None:
+        reset = math.ceil(status.reset)
+    else:
+        reset = math.ceil((limit.burst - held) / limit.rate.per_second) if held < limit.burst else 0
+    return limit, math.floor(max(0.0, held)), reset
+
+
 def policy(limit: Limit) -> str:
-    """The RateLimit-Policy value of `limit`, which depends on the config alone."""
+    """The RateLimit-Policy item of `limit`, which depends on the config alone."""
     return f'"{limit.name}";q={math.floor(limit.burst)};w={max(1, math.ceil(limit.refill_seconds))}'
-
-
-def ratelimit_headers(statuses: Sequence[LimitStatus], policies: Sequence[str]) -> dict[str, str]:
-    """The fields for a decision; `policies[i]` is `policy()` of `statuses[i].limit`."""
-    index = most_restrictive(statuses)
-    if index is None:
-        return {}
-    status = statuses[index]
-    limit = status.limit
-    remaining = max(0.0, status.remaining or 0.0)
-    reset = math.ceil((limit.burst - remaining) / limit.rate.per_second) if remaining < limit.burst else 0
-    return {
-        "RateLimit-Policy": policies[index],
-        "RateLimit": f'"{limit.name}";r={math.floor(remaining)};t={reset}',
-    }
 
 
 def retry_after_seconds(seconds: float) -> int:

@@ -2,8 +2,12 @@
 
 Whatever a request needs that depends on the config alone is made here and
 only read per request: each route's metric children (with its label), its
-upstream base URL and timeouts, the prefix it strips, and for each of its
-limits the identity key, the RateLimit-Policy value and the rejection bodies.
+upstream base URL and timeouts, the prefix it strips, its header rewrites and
+Location rewrite, its rate-limit fields (`gateway.proxy.ratelimit_headers`),
+for each of its limits the identity key and the rejection it answers with
+(status, body template, content type), and for each concurrency limit its
+metric children and 429 body, and for a pool its balancer and each target's
+metric children.
 `Plans` holds every plan and every cache keyed by them, so a reload can build
 new ones and swap a single reference.
 
@@ -12,17 +16,36 @@ Trusts the config, which `gateway.config.loader` has validated.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
 from gateway.access_log import PROCESS_LOG_SECRET
-from gateway.config.model import ForwardedHeaders, GatewayConfig, Limit, Match, PathNormalization, Route
+from gateway.config.model import (
+    ConcurrencyLimit,
+    FailurePolicy,
+    ForwardedHeaders,
+    GatewayConfig,
+    HeaderRules,
+    Limit,
+    Match,
+    PathNormalization,
+    Route,
+    UpstreamPool,
+)
+from gateway.limiter.limiter import local_share
 from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics
 from gateway.proxy.client_identity import ClientIdentity, IdentityKey, RouteIdentity
+from gateway.proxy.headers import GATEWAY_WRITTEN, cgi_name
+from gateway.proxy.location import LocationRewrite
 from gateway.proxy.problem import ProblemTemplate, problem_body
-from gateway.proxy.ratelimit_headers import policy
+from gateway.proxy.ratelimit_headers import RateLimitFields, retry_after_seconds
 from gateway.proxy.routing import Router
+from gateway.proxy.upstream_pool import Balancer, TargetState
+
+_NO_RULES = HeaderRules()  # a route without request_headers or response_headers
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +53,22 @@ class LimitPlan:
     limit: Limit
     cost: int
     decisions: Children  # gateway_limiter_decisions_total for this route and limit, by decision
+    # `response.body` for this limit, split where the seconds to wait go; None: problem+json.
+    body: tuple[bytes, ...] | None
+    headers: dict[str, str]  # a rejection's fields besides the rate-limit ones: its Content-Type
+
+
+# Seconds a client refused by a concurrency limit is told to wait. Room comes back when
+# any of its requests ends, which nobody can foresee; a lease's TTL would be far too long.
+CONCURRENCY_RETRY_AFTER = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ConcurrencyPlan:
+    limit: ConcurrencyLimit
+    decisions: Children  # gateway_limiter_decisions_total for this route and limit, by decision
+    in_flight: Any  # the gateway_concurrency_in_flight child of this limit
+    limited: bytes  # the 429 body
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,18 +90,47 @@ class PrefixStrip:
 
 
 @dataclass(frozen=True, slots=True)
+class TargetPlan:
+    """One target of a pool: its shared state and its metric children."""
+
+    url: str  # base URL, without a trailing slash
+    name: str  # its label in metrics and logs
+    state: TargetState
+    requests: Any  # gateway_upstream_target_requests_total child
+    latency: Any  # gateway_upstream_target_latency_seconds child
+    errors: Children  # gateway_upstream_target_errors_total, by kind
+    ejections: Any  # gateway_upstream_target_ejections_total child
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPlan:
+    targets: tuple[TargetPlan, ...]
+    balancer: Balancer  # shared by the routes naming the same pool, so they rotate together
+    retries: int
+    no_target: bytes  # the 503 body when no target is in rotation
+
+
+@dataclass(frozen=True, slots=True)
 class RoutePlan:
     match: Match
     label: str  # the route in metrics and the access log
-    upstream: str  # base URL, without a trailing slash
+    upstream: str  # base URL, without a trailing slash; "" for a pool, whose targets are in `pool`
     strip: PrefixStrip | None
+    request_headers: HeaderRules | None  # None: the route rewrites no request header
+    response_headers: HeaderRules | None
+    # CGI names (headers.cgi_name) of the request headers the route removes or sets and the
+    # gateway writes: a line that only reads as one of them (`X_Forwarded_For`) is dropped.
+    cgi_written: frozenset[str]
+    locations: LocationRewrite  # the upstream's own address in Location and Content-Location
     preserve_host: bool
     allow_path_parameters: bool
     timeout: aiohttp.ClientTimeout
     limits: tuple[LimitPlan, ...]
     shadowed: bool  # some of the limits are shadow limits, which never reject
+    shaping: bool  # some of the limits may delay a request (mode: delay) rather than reject it
+    classified: bool  # some of the limits have tiers or an allowlist (gateway.proxy.tiers)
     identity: RouteIdentity  # what the limits read, and the headers Connection may not name
-    policies: tuple[str, ...]  # RateLimit-Policy of each limit, in order
+    fields: RateLimitFields  # the rate-limit fields of every response
     upstream_timeout: bytes  # the 504 body
     max_body_size: int | None  # bytes of request body the route takes; more gets 413
     body_too_large: bytes  # the 413 body
@@ -70,27 +138,37 @@ class RoutePlan:
     queue_full: bytes  # the 503 body when none came free in time
     requests: Children  # gateway_requests_total for this route, by method and status class
     upstream_latency: Children
-    # (status, limit names) -> body of a 429 or a fail-closed 503; one per subset of `limits` at most
-    _rejections: dict[tuple[int, tuple[str, ...]], ProblemTemplate] = field(default_factory=dict, repr=False)
+    client_closed: Children  # gateway_client_closed_requests_total for this route
+    unavailable: Children  # gateway_upstream_unavailable_total for this route, by reason (NO_TARGET, QUEUE_FULL)
+    concurrency: tuple[ConcurrencyPlan, ...]  # taken after `limits` allow, in order
+    concurrency_identity: RouteIdentity  # what the concurrency limits read
+    pool: PoolPlan | None = None
+    total_timeout: float | None = None  # timeout.total: the whole exchange, retries included
+    retried: Any = None  # gateway_upstream_retries_total child, for a pool
+    # (status, limit names, the store failed) -> problem body; one per status and subset of `limits` at most
+    _rejections: dict[tuple[int, tuple[str, ...], bool], ProblemTemplate] = field(default_factory=dict, repr=False)
 
     def rejection(self, status: int, names: tuple[str, ...]) -> ProblemTemplate:
-        """The body of a 429 (its blank: the seconds to wait) or of a fail-closed 503, naming `names`."""
-        template = self._rejections.get((status, names))
+        """The problem body of a request over `names` (its blank: the seconds to wait), a 429 or a 503."""
+        template = self._rejections.get((status, names, False))
         if template is None:
-            if status == 503:
-                template = ProblemTemplate.of(
-                    503,
-                    "Service Unavailable",
-                    "The rate-limit store is unavailable and this limit fails closed.",
-                    limits=names,
-                )
-            else:
-                listed = ", ".join(repr(name) for name in names)
-                template = ProblemTemplate.of(
-                    429, "Too Many Requests", f"Rate limit {listed} exceeded; retry in {{}} s.", limits=names
-                )
-            self._rejections[(status, names)] = template
+            listed = ", ".join(repr(name) for name in names)
+            template = self._rejections[(status, names, False)] = ProblemTemplate.of(
+                status, _TITLES[status], f"Rate limit {listed} exceeded; retry in {{}} s.", limits=names
+            )
         return template
+
+    def store_unavailable(self, names: tuple[str, ...]) -> ProblemTemplate:
+        """The 503 body when the fail-closed limits `names` could not be checked."""
+        template = self._rejections.get((503, names, True))
+        if template is None:
+            template = self._rejections[(503, names, True)] = ProblemTemplate.of(
+                503, _TITLES[503], "The rate-limit store is unavailable and this limit fails closed.", limits=names
+            )
+        return template
+
+
+_TITLES = {429: "Too Many Requests", 503: "Service Unavailable"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,22 +180,33 @@ class Plans:
     identity: ClientIdentity
     replace_forwarded: bool  # `forwarded_headers: replace`: an untrusted peer's forwarding headers are dropped
     unmatched: Children  # gateway_requests_total for requests no route takes, by method and status class
-    upstreams: tuple[str, ...]
+    upstreams: tuple[str, ...]  # every base URL a request may go to, pool targets included
+    pool_targets: tuple[TargetPlan, ...]  # each target of every pool, once
     max_in_flight: int
+    max_delayed: int  # requests one worker holds waiting out a mode: delay wait
     shed: bytes  # the 503 body past max_in_flight
     log_secret: bytes  # keys the identity hashes in the access log: store.key_secret, else PROCESS_LOG_SECRET
 
 
-def compile_plans(config: GatewayConfig, metrics: Metrics) -> Plans:
-    routes = tuple(_route_plan(route, metrics) for route in config.routes)
+def compile_plans(config: GatewayConfig, metrics: Metrics, states: Mapping[str, TargetState]) -> Plans:
+    """`states`: the shared state of each pool target by URL (upstream_pool.TargetStates)."""
+    pools: dict[UpstreamPool, PoolPlan] = {}
+    targets: dict[str, TargetPlan] = {}
+    for route in config.routes:
+        if isinstance(route.upstream, UpstreamPool) and route.upstream not in pools:
+            pools[route.upstream] = _pool_plan(route.upstream, metrics, states, targets)
+    local_divisor = config.local_divisor
+    routes = tuple(_route_plan(route, metrics, pools, local_divisor) for route in config.routes)
     return Plans(
         router=Router(routes),
         path_rule=config.path_normalization,
-        identity=ClientIdentity(config.trusted_proxies, config.jwt),
+        identity=ClientIdentity(config.trusted_proxies, config.jwt, config.client_ip),
         replace_forwarded=config.forwarded_headers is ForwardedHeaders.REPLACE,
         unmatched=Children(metrics.requests, ("method", "status_class"), route=UNMATCHED_ROUTE),
-        upstreams=tuple(sorted({plan.upstream for plan in routes})),
+        upstreams=tuple(sorted({plan.upstream for plan in routes if plan.pool is None} | targets.keys())),
+        pool_targets=tuple(targets.values()),
         max_in_flight=config.max_in_flight,
+        max_delayed=config.max_delayed,
         shed=problem_body(
             503, "Service Unavailable", "The gateway has as many requests in flight as it takes; retry shortly."
         ),
@@ -125,32 +214,87 @@ def compile_plans(config: GatewayConfig, metrics: Metrics) -> Plans:
     )
 
 
-def _route_plan(route: Route, metrics: Metrics) -> RoutePlan:
+def _pool_plan(
+    pool: UpstreamPool, metrics: Metrics, states: Mapping[str, TargetState], targets: dict[str, TargetPlan]
+) -> PoolPlan:
+    plans = []
+    for target in pool.targets:
+        plan = targets.get(target.url)
+        if plan is None:
+            plan = targets[target.url] = TargetPlan(
+                url=target.url,
+                name=target.name,
+                state=states[target.url],
+                requests=metrics.target_requests.labels(target=target.name),
+                latency=metrics.target_latency.labels(target=target.name),
+                errors=Children(metrics.target_errors, ("kind",), target=target.name),
+                ejections=metrics.target_ejections.labels(target=target.name),
+            )
+        plans.append(plan)
+    return PoolPlan(
+        targets=tuple(plans),
+        balancer=Balancer([p.state for p in plans], [t.weight for t in pool.targets], pool.balance),
+        retries=pool.retries,
+        no_target=problem_body(503, "Service Unavailable", "No upstream target is in rotation; retry shortly."),
+    )
+
+
+def _cgi_written(rules: HeaderRules) -> frozenset[str]:
+    """The CGI names of the request headers the gateway removes or writes, each of which a
+    client could otherwise send spelt with `_` for a WSGI upstream to read as the real one."""
+    names = (*GATEWAY_WRITTEN, "x-request-id", *rules.remove, *(name for name, _ in rules.set))
+    return frozenset(cgi_name(name) for name in names if "-" in name or "_" in name)
+
+
+def _route_plan(
+    route: Route, metrics: Metrics, pools: Mapping[UpstreamPool, PoolPlan], local_divisor: int
+) -> RoutePlan:
     label = route.label  # the route in metrics, formed once for all its children
     timeout = route.timeout
+    pool = pools[route.upstream] if isinstance(route.upstream, UpstreamPool) else None
+    stripped = route.strip_prefix and route.match.path != "/"  # strip_prefix is only taken on prefix routes
+    # A pool's targets are each the upstream's own address, for the Location rewrite.
+    addresses = [t.url for t in route.upstream.targets] if isinstance(route.upstream, UpstreamPool) else [route.upstream]
     return RoutePlan(
         match=route.match,
         label=label,
-        upstream=route.upstream,
-        strip=PrefixStrip.of(route.match.path) if route.strip_prefix and route.match.path != "/" else None,
+        upstream="" if isinstance(route.upstream, UpstreamPool) else route.upstream,
+        strip=PrefixStrip.of(route.match.path) if stripped else None,
+        request_headers=route.request_headers if route.request_headers != _NO_RULES else None,
+        response_headers=route.response_headers if route.response_headers != _NO_RULES else None,
+        cgi_written=_cgi_written(route.request_headers),
+        locations=LocationRewrite.of(addresses, route.match.path if stripped else None),
         preserve_host=route.preserve_host,
         allow_path_parameters=route.allow_path_parameters,
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout.connect, sock_read=timeout.read),
+        timeout=aiohttp.ClientTimeout(total=timeout.total, sock_connect=timeout.connect, sock_read=timeout.read),
         limits=tuple(
             LimitPlan(
                 limit=rl.limit,
                 cost=rl.cost,
                 decisions=Children(metrics.decisions, ("decision",), route=label, limit=rl.limit.name),
+                body=rl.limit.response.body.chunks(rl.limit.name) if rl.limit.response.body else None,
+                headers={"Content-Type": rl.limit.response.content_type} if rl.limit.response.body else {},
             )
             for rl in route.limits
         ),
         shadowed=any(rl.limit.shadow for rl in route.limits),
-        identity=RouteIdentity.of([IdentityKey.of(rl.limit.key) for rl in route.limits]),
-        policies=tuple(policy(rl.limit) for rl in route.limits),
+        shaping=any(rl.limit.max_delay for rl in route.limits),
+        classified=any(rl.limit.tiers is not None or rl.limit.allow is not None for rl in route.limits),
+        identity=RouteIdentity.of([IdentityKey.of(rl.limit.key) for rl in route.limits], route.match.path),
+        fields=RateLimitFields.of(
+            [
+                (rl.limit, local_share(rl.limit, local_divisor, rl.cost))
+                if rl.limit.on_store_error is FailurePolicy.LOCAL
+                else (rl.limit, rl.limit)
+                for rl in route.limits
+            ],
+            local_divisor,
+        ),
         upstream_timeout=problem_body(
             504,
             "Gateway Timeout",
-            f"The upstream did not answer in time (connect {timeout.connect:g} s, read {timeout.read:g} s).",
+            f"The upstream did not answer in time (connect {timeout.connect:g} s, read {timeout.read:g} s"
+            + (f", total {timeout.total:g} s)." if timeout.total is not None else ")."),
         ),
         max_body_size=route.max_body_size,
         body_too_large=problem_body(
@@ -164,4 +308,26 @@ def _route_plan(route: Route, metrics: Metrics) -> RoutePlan:
         ),
         requests=Children(metrics.requests, ("method", "status_class"), route=label),
         upstream_latency=Children(metrics.upstream_latency, route=label),
+        client_closed=Children(metrics.client_closed, route=label),
+        unavailable=Children(metrics.upstream_unavailable, ("reason",), route=label),
+        pool=pool,
+        total_timeout=timeout.total,
+        retried=metrics.retries.labels(route=label) if pool is not None else None,
+        concurrency=tuple(_concurrency_plan(limit, label, metrics) for limit in route.concurrency),
+        concurrency_identity=RouteIdentity.of([IdentityKey.of(limit.key) for limit in route.concurrency], route.match.path),
+    )
+
+
+def _concurrency_plan(limit: ConcurrencyLimit, label: str, metrics: Metrics) -> ConcurrencyPlan:
+    return ConcurrencyPlan(
+        limit=limit,
+        decisions=Children(metrics.decisions, ("decision",), route=label, limit=limit.name),
+        in_flight=metrics.concurrency_in_flight.labels(limit=limit.name),
+        limited=problem_body(
+            429,
+            "Too Many Requests",
+            f"Concurrency limit {limit.name!r} reached: {limit.concurrency} requests already in flight; "
+            f"retry in {retry_after_seconds(CONCURRENCY_RETRY_AFTER)} s.",
+            limits=[limit.name],
+        ),
     )

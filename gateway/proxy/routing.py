@@ -1,20 +1,39 @@
 """Which route a request takes: the first route in file order whose match fits.
 
 A route's `path` is a prefix on whole segments: `/api` matches `/api` and
-`/api/x`, never `/apix`. Matching runs on the `match` view of the path that
+`/api/x`, never `/apix`; `exact` is the whole path, and `regex` a pattern the
+whole path must match (RE2, in time linear in the path; see
+gateway.config.regex). Matching runs on the `match` view of the path that
 `gateway.proxy.paths` reads by the one rule, which is also what is forwarded,
 so `/public/../api/reports` cannot slip past the limits of `/api/reports`.
 Case matters, unless a route says `case_sensitive: false` for an upstream that
 ignores it; then both sides are compared case-folded (casefold folds more than
 lower, so it errs towards taking the limited route).
+
+`host: *.example.com` takes any name of one or more labels under example.com
+(`a.example.com`, `a.b.example.com`), never `example.com` itself, as Envoy's
+and nginx's suffix wildcards and the Kubernetes Gateway API do. A header
+condition reads all lines of that header joined by ", " (RFC 9110 §5.3); a
+query condition reads the parameter's first value, decoded. Both are what the
+client chose to send, so a route they select should not be more lenient than
+the route the client would take without them.
+
+Everything a route's match needs is formed once, when the Router is built; a
+plain prefix route costs what it did before the other forms existed.
+`shadowed` tells, for `gateway check`, which routes an earlier one certainly hides.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
-from gateway.config.model import Match
+from multidict import CIMultiDict, CIMultiDictProxy, MultiMapping
+from yarl import URL
+
+from gateway.config.model import Match, PathForm, ValueMatch
+
+WILDCARD = "*."
 
 
 class Matchable(Protocol):
@@ -24,32 +43,183 @@ class Matchable(Protocol):
 
 R = TypeVar("R", bound=Matchable)
 
+# A condition beyond method, exact host and prefix: (host, path, headers, target) -> fits.
+_Condition = Callable[[str, str, MultiMapping[str], URL], bool]
+_NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+_NO_TARGET = URL("/")
+
 
 class Router(Generic[R]):
     """Routes in file order: config `Route`s, or the plans compiled from them."""
 
     def __init__(self, routes: Sequence[R]) -> None:
-        # Each prefix beside "prefix/", formed here once rather than on every request.
-        self._routes = tuple(
-            (route, route.match, prefix, "" if prefix == "/" else prefix + "/", route.match.case_sensitive)
-            for route in routes
-            for prefix in (route.match.path if route.match.case_sensitive else route.match.path.casefold(),)
-        )
+        self._routes = tuple(_compiled(route) for route in routes)
 
-    def find(self, method: str, host: str, path: str) -> R | None:
-        """`path` is the `match` of a NormalPath; `host` is the Host header without its port."""
+    def find(
+        self,
+        method: str,
+        host: str,
+        path: str,
+        headers: MultiMapping[str] = _NO_HEADERS,
+        target: URL = _NO_TARGET,
+    ) -> R | None:
+        """`path` is the `match` of a NormalPath; `host` is the Host header without its port;
+        `headers` the request's; `target` its URL, whose query is parsed only if a route asks."""
         folded = None
-        for route, match, prefix, under, case_sensitive in self._routes:
-            if match.methods is not None and method not in match.methods:
+        for route, methods, exact_host, prefix, under, case_sensitive, conditions in self._routes:
+            if methods is not None and method not in methods:
                 continue
-            if match.host is not None and match.host != host:
+            if exact_host is not None and exact_host != host:
                 continue
             if case_sensitive:
-                if path == prefix or path.startswith(under):
-                    return route
+                if path != prefix and not path.startswith(under):
+                    continue
             else:
                 if folded is None:
                     folded = path.casefold()
-                if folded == prefix or folded.startswith(under):
-                    return route
+                if folded != prefix and not folded.startswith(under):
+                    continue
+            if conditions is None or _all_hold(conditions, host, path, headers, target):
+                return route
         return None
+
+
+def request_host(host: str) -> str:
+    """A Host header as routes match it: lower case, without its port, and without the
+    trailing dot of a fully qualified name, which names the same host (`api.example.com.`)."""
+    host = host.lower()
+    if host.startswith("["):
+        return host.partition("]")[0] + "]"
+    host = host.rpartition(":")[0] if ":" in host else host
+    return host[:-1] if host.endswith(".") else host
+
+
+def _all_hold(conditions: tuple[_Condition, ...], host: str, path: str, headers: MultiMapping[str], target: URL) -> bool:
+    for condition in conditions:
+        if not condition(host, path, headers, target):
+            return False
+    return True
+
+
+def _compiled(route: R) -> tuple:
+    """The route as `find` reads it: (route, methods, exact host, prefix, prefix + "/",
+    case-sensitive, the other conditions or None). An exact or regex route has the prefix ""
+    and leaves the path to its conditions."""
+    match = route.match
+    conditions: list[_Condition] = []
+    host = match.host
+    if host is not None and host.startswith(WILDCARD):
+        conditions.append(_wildcard_host(host[1:]))
+        host = None
+    if match.form is PathForm.PREFIX:
+        prefix = match.path if match.case_sensitive else match.path.casefold()
+        under = "" if prefix == "/" else prefix + "/"
+    else:
+        prefix = under = ""  # every path starts with "": the path's own condition decides
+        conditions.append(_path_condition(match))
+    conditions.extend(_header_condition(value) for value in match.headers)
+    conditions.extend(_query_condition(value) for value in match.query)
+    return (route, match.methods, host, prefix, under, match.case_sensitive, tuple(conditions) or None)
+
+
+def _wildcard_host(suffix: str) -> _Condition:
+    # `suffix` is ".example.com": at least one label must come before it.
+    return lambda host, path, headers, target: host.endswith(suffix) and len(host) > len(suffix)
+
+
+def _path_condition(match: Match) -> _Condition:
+    if match.form is PathForm.REGEX:
+        fullmatch = match.regex.fullmatch  # type: ignore[union-attr]
+        return lambda host, path, headers, target: fullmatch(path)
+    exact = match.path
+    if match.case_sensitive:
+        return lambda host, path, headers, target: path == exact
+    folded = exact.casefold()
+    return lambda host, path, headers, target: path.casefold() == folded
+
+
+def _value_fits(condition: ValueMatch) -> Callable[[str | None], bool]:
+    """Whether a value (None: absent) fits `condition`."""
+    if not condition.present:
+        return lambda value: value is None
+    if condition.exact is not None:
+        exact = condition.exact
+        return lambda value: value == exact
+    if condition.regex is not None:
+        fullmatch = condition.regex.fullmatch
+        return lambda value: value is not None and fullmatch(value)
+    return lambda value: value is not None
+
+
+def _header_condition(condition: ValueMatch) -> _Condition:
+    name, fits = condition.name, _value_fits(condition)
+
+    def header(host: str, path: str, headers: MultiMapping[str], target: URL) -> bool:
+        lines = headers.getall(name, ())
+        return fits(", ".join(lines) if lines else None)
+
+    return header
+
+
+def _query_condition(condition: ValueMatch) -> _Condition:
+    name, fits = condition.name, _value_fits(condition)
+    return lambda host, path, headers, target: fits(target.query.get(name))
+
+
+# --- shadowing, for `gateway check` ---------------------------------------------------
+
+
+def shadowed(routes: Sequence[Matchable]) -> list[tuple[int, int]]:
+    """(later, earlier) index pairs: every request the later route could match, the earlier
+    one matches first, so the later is never reached. Only certain cases are reported: an
+    earlier route's conditions must be a subset of the later's, and its path cover the later's."""
+    pairs = []
+    for later in range(len(routes)):
+        for earlier in range(later):
+            if covers(routes[earlier].match, routes[later].match):
+                pairs.append((later, earlier))
+                break
+    return pairs
+
+
+def covers(earlier: Match, later: Match) -> bool:
+    """Whether every request `later` matches is certainly matched by `earlier` too."""
+    if earlier.methods is not None and (later.methods is None or not later.methods <= earlier.methods):
+        return False
+    if not _host_covers(earlier.host, later.host):
+        return False
+    if not set(earlier.headers) <= set(later.headers) or not set(earlier.query) <= set(later.query):
+        return False
+    return _path_covers(earlier, later)
+
+
+def _host_covers(earlier: str | None, later: str | None) -> bool:
+    if earlier is None or earlier == later:
+        return True
+    if later is None or not earlier.startswith(WILDCARD):
+        return False
+    # `*.example.com` covers `a.example.com`, `*.a.example.com` and `*.example.com`.
+    return later.removeprefix(WILDCARD).endswith(earlier[1:])
+
+
+def _path_covers(earlier: Match, later: Match) -> bool:
+    if earlier.form is PathForm.PREFIX and earlier.path == "/":
+        return True  # every path, whatever its case
+    if earlier.case_sensitive:
+        if not later.case_sensitive:
+            return False  # the later route also takes paths in another case
+        fold: Callable[[str], str] = str
+    else:
+        fold = str.casefold  # casefold maps each character alone, so it keeps prefixes prefixes
+    if earlier.form is PathForm.PREFIX:
+        if later.form is PathForm.REGEX:
+            return False
+        prefix, path = fold(earlier.path), fold(later.path)
+        return path == prefix or path.startswith(prefix + "/")
+    if earlier.form is PathForm.EXACT:
+        return later.form is PathForm.EXACT and fold(later.path) == fold(earlier.path)
+    if later.form is PathForm.REGEX:
+        return later.path == earlier.path  # the same pattern; earlier's case rules checked above
+    # An exact path is one string, which the earlier regex matches or not; a later prefix is
+    # many, which are not all checked.
+    return later.form is PathForm.EXACT and earlier.regex is not None and earlier.regex.fullmatch(later.path)

@@ -4,7 +4,8 @@ applied to the handshake; frames that follow are not counted."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 import aiohttp
 from aiohttp import web
@@ -15,6 +16,10 @@ from gateway.proxy.problem import problem
 
 # The client library writes its own handshake fields; the client's must not be sent twice.
 _HANDSHAKE_HEADERS = ("Sec-WebSocket-Key", "Sec-WebSocket-Version", "Sec-WebSocket-Extensions", "Sec-WebSocket-Protocol")
+# Codes that only report locally and MUST NOT be sent in a close frame (RFC 6455 §7.4.1):
+# no code received (1005), the connection lost with no close frame (1006), TLS failed (1015).
+# aiohttp reports a peer that vanished as 1006; browsers fail a close frame that carries it.
+_UNSENDABLE_CLOSE_CODES = frozenset({1005, 1006, 1015})
 
 
 def is_websocket_upgrade(request: web.BaseRequest) -> bool:
@@ -24,21 +29,51 @@ def is_websocket_upgrade(request: web.BaseRequest) -> bool:
     return "upgrade" in connection
 
 
+class WebSocketConnectFailed(Exception):
+    """The upstream could not be connected to (refused, unreachable, or past the route's
+    `timeout.connect`): nothing was sent, so another pool target may take the handshake.
+    `response` is the client's answer if none does; `reason`, why, is for the log."""
+
+    def __init__(self, response: web.Response, reason: str) -> None:
+        super().__init__()
+        self.response = response
+        self.reason = reason
+
+
 async def proxy_websocket(
     request: web.BaseRequest,
     session: aiohttp.ClientSession,
     url: URL,
     headers: CIMultiDict[str],
     limit_headers: Mapping[str, str],
+    timed_out: web.Response,
+    answered: Callable[[int, float], None],
+    opened: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
-    """Open the upstream WebSocket first, so its refusal becomes a 502 and its subprotocol is the one agreed."""
+    """Open the upstream WebSocket first, so its refusal becomes a 502 and its subprotocol is
+    the one agreed. `session` carries the route's connect and read timeouts, which bound the
+    handshake; past either, `timed_out` (a 504) is the answer. A connect failure raises
+    WebSocketConnectFailed. `answered` is given the status of the upstream's answer to the
+    handshake (101, or the status it refused with) and the seconds it took, as the access
+    log and gateway_upstream_latency_seconds take an HTTP response's; `opened` is called
+    once the upstream has accepted the handshake."""
     protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
     for name in _HANDSHAKE_HEADERS:
         headers.popall(name, None)
     ws_url = url.with_scheme("wss" if url.scheme == "https" else "ws")
+    sent = time.perf_counter()
     try:
         upstream = await session.ws_connect(ws_url, headers=headers, protocols=protocols, autoping=False)
+    except aiohttp.ConnectionTimeoutError:
+        raise WebSocketConnectFailed(timed_out, "timed out") from None
+    except aiohttp.ClientConnectorError as exc:
+        detail = f"Cannot open a WebSocket to the upstream: {type(exc).__name__}."
+        reason = str(exc.os_error.strerror or exc)  # an untrusted certificate's [SSL: ...] too
+        raise WebSocketConnectFailed(problem(502, "Bad Gateway", detail, headers=limit_headers), reason) from None
+    except asyncio.TimeoutError:
+        return timed_out  # connected, but no handshake answer within timeout.read
     except aiohttp.WSServerHandshakeError as exc:
+        answered(exc.status, time.perf_counter() - sent)
         return problem(
             502,
             "Bad Gateway",
@@ -49,6 +84,9 @@ async def proxy_websocket(
         return problem(
             502, "Bad Gateway", f"Cannot open a WebSocket to the upstream: {type(exc).__name__}.", headers=limit_headers
         )
+    answered(101, time.perf_counter() - sent)  # ws_connect returns only on 101 Switching Protocols
+    if opened is not None:
+        opened()
     async with upstream:
         client = web.WebSocketResponse(protocols=[upstream.protocol] if upstream.protocol else (), autoping=False)
         client.headers.update(limit_headers)
@@ -59,10 +97,20 @@ async def proxy_websocket(
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        close_code = upstream.close_code if to_client in done else client.close_code
-        await client.close(code=close_code or aiohttp.WSCloseCode.OK)
-        await upstream.close(code=client.close_code or aiohttp.WSCloseCode.OK)
+        if to_client in done:
+            # The upstream ended it: a vanished upstream is the gateway's failure to the client.
+            await client.close(code=_sendable(upstream.close_code, lost=aiohttp.WSCloseCode.BAD_GATEWAY))
+        await upstream.close(code=_sendable(client.close_code, lost=aiohttp.WSCloseCode.GOING_AWAY))
+        await client.close()  # a no-op when closed above, or by the client's own close frame
     return client
+
+
+def _sendable(code: int | None, *, lost: int) -> int:
+    """`code` as a close frame to the other side may carry it: `lost` for a peer whose
+    connection ended with no close frame, 1000 for one whose close frame had no code."""
+    if code in _UNSENDABLE_CLOSE_CODES:
+        return lost
+    return code or aiohttp.WSCloseCode.OK
 
 
 async def _pipe(source, sink) -> None:

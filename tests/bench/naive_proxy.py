@@ -18,7 +18,7 @@ from aiohttp import web
 from gateway.limiter.redis_store import load_script
 
 # Bucket capacity, refill per second and cost: far more than any client sends in a run.
-ALL_ALLOWED_ARGS = ("1000000.0", "1000000.0", "1")
+ALL_ALLOWED_ARGS = ("b", "1000000.0", "1000000.0", "1.0", "0.0")
 
 
 def build_app(upstream: str, redis_url: str | None) -> web.Application:
@@ -38,7 +38,7 @@ def build_app(upstream: str, redis_url: str | None) -> web.Application:
     async def forward(request: web.Request) -> web.Response:
         if redis_url:
             key = "naive:" + request.headers.get("X-API-Key", request.remote or "")
-            allowed, _, _ = await app["redis"].evalsha(app["sha"], 1, key, *ALL_ALLOWED_ARGS)
+            allowed, *_ = await app["redis"].evalsha(app["sha"], 1, key, *ALL_ALLOWED_ARGS)
             if not int(allowed):
                 return web.Response(status=429)
         request_body = await request.read()

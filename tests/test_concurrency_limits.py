@@ -1,0 +1,321 @@
+"""Concurrency limits end to end: a gateway process (`python -m gateway run`) on a private
+Redis in front of a real upstream. A lease is given back however its response ends (the
+client hangs up, the upstream fails, a WebSocket closes), each failure policy answers
+when Redis is down, and bad config is one line naming the YAML path.
+
+A WebSocket holds its lease exactly while it lives: across TTLs with the socket open,
+and not a moment past its end, whichever side ends it and however (a close frame, a
+dropped connection, a refused handshake)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import time
+
+import aiohttp
+import pytest
+
+from gateway.config.loader import ConfigError
+from gateway.testing import config_from_yaml
+from tests.processes import GatewayProcess, eventually, free_port, run_cli
+from tests.scrape import decisions
+from tests.upstream import UPSTREAM_BYE, CountingUpstream, serving
+
+KEY = {"X-API-Key": "k"}
+# The shortest lease_ttl the config takes: the limit `brief` renews its leases every third of it.
+BRIEF_TTL = 1.0
+
+CONFIG = """
+listen: 127.0.0.1:0
+admin_listen: 127.0.0.1:0
+store: {{url: "{url}", local_divisor: 2}}
+limits:
+  conns:  {{concurrency: 1, key: header:X-API-Key}}
+  open:   {{concurrency: 1, key: header:X-API-Key, on_store_error: open}}
+  closed: {{concurrency: 1, key: header:X-API-Key, on_store_error: closed}}
+  local:  {{concurrency: 2, key: header:X-API-Key, on_store_error: local}}
+  brief:  {{concurrency: 1, key: header:X-API-Key, lease_ttl: 1s}}
+routes:
+  - {{match: {{path: /down}}, upstream: "http://127.0.0.1:{closed_port}", limits: [conns]}}
+  - {{match: {{path: /open}}, upstream: "{upstream}", strip_prefix: true, limits: [open]}}
+  - {{match: {{path: /closed}}, upstream: "{upstream}", strip_prefix: true, limits: [closed]}}
+  - {{match: {{path: /local}}, upstream: "{upstream}", strip_prefix: true, limits: [local]}}
+  - {{match: {{path: /brief}}, upstream: "{upstream}", strip_prefix: true, limits: [brief]}}
+  - {{match: {{path: /}}, upstream: "{upstream}", limits: [conns]}}
+"""
+
+
+@contextlib.asynccontextmanager
+async def gateway_on(redis_url: str, *args: str):
+    upstream = CountingUpstream()
+    async with serving(upstream.handle) as upstream_url:
+        config = CONFIG.format(url=redis_url, upstream=upstream_url, closed_port=free_port())
+        with GatewayProcess(config, args=args) as gateway:
+            async with aiohttp.ClientSession() as http:
+
+                async def status(path: str) -> int:
+                    async with http.get(gateway.url + path, headers={"X-API-Key": "k"}) as response:
+                        await response.read()
+                        return response.status
+
+                try:
+                    yield gateway, upstream, http, status
+                finally:
+                    upstream.gate.set()
+
+
+async def admitted_again(status, path: str = "/fast") -> None:
+    """The client's one lease is free: a new request gets in. Leases live 60 s, so one
+    that was not given back fails this."""
+
+    async def admitted() -> bool:
+        return await status(path) == 200
+
+    await eventually(admitted, what="a new request to be admitted", deadline=10)
+
+
+def leases(client, limit: str = "conns") -> list[int]:
+    """How many leases each identity holds in Redis under `limit` (each a ZSET of lease ids)."""
+    return sorted(client.zcard(key) for key in client.keys(f"rl:{limit}:leases:*"))
+
+
+async def no_lease_left(redis_server, limit: str = "conns") -> None:
+    with redis_server.client() as client:
+        await eventually(lambda: leases(client, limit) == [], what=f"no lease of {limit} left in Redis")
+
+
+def ws_url(gateway: GatewayProcess, path: str) -> str:
+    return gateway.url.replace("http", "ws", 1) + path
+
+
+async def raw_websocket(gateway: GatewayProcess, path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A WebSocket opened by hand on a bare TCP connection, and one text message echoed
+    through it: its connection can then be dropped with no close frame, as a client's can."""
+    host, port = gateway.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    key = base64.b64encode(os.urandom(16)).decode()
+    writer.write(
+        f"GET {path} HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        f"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: {key}\r\n\r\n".encode()
+    )
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 101 "), head
+    mask = os.urandom(4)
+    payload = bytes(b ^ mask[i % 4] for i, b in enumerate(b"hi"))
+    writer.write(bytes([0x81, 0x80 | 2]) + mask + payload)  # FIN + text; masked, as from a client
+    echoed = await asyncio.wait_for(reader.readexactly(2 + len(b"echo:hi")), 10)
+    assert echoed == bytes([0x81, len(b"echo:hi")]) + b"echo:hi"
+    return reader, writer
+
+
+async def test_a_client_that_hangs_up_gives_its_lease_back(redis_server):
+    async with gateway_on(redis_server.url) as (gateway, upstream, _, status):
+        host, port = gateway.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /held HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\n\r\n")
+        await eventually(lambda: upstream.in_flight["k"] == 1, what="the request held upstream")
+        assert await status("/fast") == 429
+        writer.close()
+        await writer.wait_closed()
+        await admitted_again(status)
+        with redis_server.client() as client:
+            await eventually(lambda: client.keys("rl:conns:leases:*") == [], what="no lease left in Redis")
+
+
+async def test_an_upstream_that_fails_or_is_down_gives_the_lease_back(redis_server):
+    async with gateway_on(redis_server.url) as (_, upstream, _, status):
+        assert await status("/reset") == 502
+        await admitted_again(status)
+        assert await status("/down") == 502  # nothing listens there
+        await admitted_again(status)
+        assert upstream.most["k"] == 1
+
+
+async def test_a_websocket_holds_its_lease_until_it_closes(redis_server):
+    async with gateway_on(redis_server.url) as (gateway, upstream, http, status):
+        with redis_server.client() as client:
+            async with http.ws_connect(ws_url(gateway, "/ws"), headers=KEY) as ws:
+                await ws.send_str("hi")
+                assert (await ws.receive()).data == "echo:hi"
+                assert await status("/fast") == 429
+                assert leases(client) == [1]
+        await admitted_again(status)
+        await no_lease_left(redis_server)
+        assert upstream.in_flight["k"] == 0
+        assert upstream.ws_closed_with == [aiohttp.WSCloseCode.OK]  # the client's own close, passed on
+
+
+async def test_a_websocket_the_upstream_closes_gives_its_lease_back(redis_server):
+    async with gateway_on(redis_server.url) as (gateway, upstream, http, status):
+        async with http.ws_connect(ws_url(gateway, "/ws-bye"), headers=KEY) as ws:
+            assert await status("/fast") == 429  # held while the socket is open
+            await ws.send_str("hi")
+            assert await ws.receive_str(timeout=10) == "echo:hi"
+            closed = await ws.receive(timeout=10)
+            assert (closed.type, closed.data) == (aiohttp.WSMsgType.CLOSE, UPSTREAM_BYE)
+        await admitted_again(status)
+        await no_lease_left(redis_server)
+        assert upstream.in_flight["k"] == 0
+
+
+async def test_a_websocket_whose_upstream_drops_without_a_close_frame_gives_its_lease_back(redis_server):
+    async with gateway_on(redis_server.url) as (gateway, upstream, http, status):
+        async with http.ws_connect(ws_url(gateway, "/ws-drop"), headers=KEY) as ws:
+            assert await status("/fast") == 429  # held while the socket is open
+            await ws.send_str("hi")
+            assert await ws.receive_str(timeout=10) == "echo:hi"
+            closed = await ws.receive(timeout=10)
+            # Not 1006, which reports a lost connection and may not be sent (RFC 6455 §7.4.1).
+            assert (closed.type, closed.data) == (aiohttp.WSMsgType.CLOSE, aiohttp.WSCloseCode.BAD_GATEWAY)
+        await admitted_again(status)
+        await no_lease_left(redis_server)
+        assert upstream.in_flight["k"] == 0
+
+
+@pytest.mark.parametrize("drop", ["reset", "fin"])
+async def test_a_websocket_whose_client_drops_without_a_close_frame_gives_its_lease_back(redis_server, drop):
+    async with gateway_on(redis_server.url) as (gateway, upstream, _, status):
+        _, writer = await raw_websocket(gateway, "/ws")
+        assert upstream.in_flight["k"] == 1
+        assert await status("/fast") == 429
+        if drop == "reset":
+            writer.transport.abort()
+        else:
+            writer.close()  # a FIN, with no close frame before it
+        await eventually(lambda: upstream.in_flight["k"] == 0, what="the upstream's side of the WebSocket to end")
+        # Told the client went away, in a close frame a peer accepts (not 1006, see RFC 6455 §7.4.1).
+        assert upstream.ws_closed_with == [aiohttp.WSCloseCode.GOING_AWAY]
+        await admitted_again(status)
+        await no_lease_left(redis_server)
+
+
+async def test_a_websocket_that_outlives_its_lease_ttl_keeps_its_lease(redis_server):
+    """Elapsed time is what is tested here: the socket stays open across 3.5 TTLs, and each
+    round waits for the gateway to renew the lease in Redis (a later expiry), then checks
+    that the one lease is all there is and still refuses a second request."""
+    async with gateway_on(redis_server.url) as (gateway, _, http, status):
+        with redis_server.client() as client:
+
+            def expiry() -> float:
+                (key,) = client.keys("rl:brief:leases:*")
+                ((_, score),) = client.zrange(key, 0, -1, withscores=True)
+                return score
+
+            async with http.ws_connect(ws_url(gateway, "/brief/ws"), headers=KEY) as ws:
+                opened = time.monotonic()
+                renewals = 0
+                last = expiry()
+                while time.monotonic() - opened < 3.5 * BRIEF_TTL:
+                    await eventually(lambda: expiry() > last, what="the lease renewed", deadline=BRIEF_TTL)
+                    last = expiry()
+                    renewals += 1
+                    seconds, micros = client.time()
+                    assert last > seconds * 1000 + micros / 1000  # live, by Redis's own clock
+                    await ws.send_str(str(renewals))
+                    assert await ws.receive_str(timeout=10) == f"echo:{renewals}"
+                    assert await status("/brief/fast") == 429
+                    with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                        await http.ws_connect(ws_url(gateway, "/brief/ws"), headers=KEY)
+                    assert refused.value.status == 429
+                    assert leases(client, "brief") == [1]
+                assert renewals >= 3  # one a third of the TTL, about 10 over 3.5 TTLs; fewer seen if rounds are slow
+        await admitted_again(status, "/brief/fast")
+        await no_lease_left(redis_server, "brief")
+
+
+@pytest.mark.parametrize("path", ["/fast", "/down"], ids=["refused", "down"])
+async def test_a_websocket_handshake_the_upstream_refuses_or_cannot_take_gives_the_lease_back(redis_server, path):
+    async with gateway_on(redis_server.url) as (gateway, _, http, status):
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await http.ws_connect(ws_url(gateway, path), headers=KEY)
+        assert refused.value.status == 502
+        await admitted_again(status)
+        await no_lease_left(redis_server)
+
+
+async def test_each_failure_policy_answers_while_redis_is_down(redis_server):
+    async with gateway_on(redis_server.url) as (gateway, upstream, http, status):
+        redis_server.stop()
+        assert await status("/open/fast") == 200
+        async with http.get(gateway.url + "/closed/fast", headers={"X-API-Key": "k"}) as response:
+            assert response.status == 503
+            assert response.headers["Retry-After"] == "1"
+            assert (await response.json())["limits"] == ["closed"]
+        # local: 2 across the fleet, divided by local_divisor 2, so 1 here.
+        held = asyncio.ensure_future(status("/local/held"))
+        await eventually(lambda: upstream.in_flight["k"] == 1, what="the request held upstream")
+        assert await status("/local/fast") == 429
+        upstream.gate.set()
+        assert await held == 200
+        await admitted_again(status, "/local/fast")
+        counts = await decisions(http, gateway.admin_url)
+    assert counts["open", "fail_open"] == 1
+    assert counts["closed", "fail_closed"] == 1
+    assert counts["local", "fail_local"] >= 3
+
+
+async def test_the_access_log_names_the_concurrency_limit_that_refused(redis_server):
+    async with gateway_on(redis_server.url, "--access-log", "json") as (gateway, upstream, _, status):
+        held = asyncio.ensure_future(status("/held"))
+        await eventually(lambda: upstream.in_flight["k"] == 1, what="the request held upstream")
+        assert await status("/fast") == 429
+        upstream.gate.set()
+        assert await held == 200
+
+        def lines() -> list[dict]:
+            return [json.loads(line) for line in gateway.stdout_lines]
+
+        await eventually(lambda: len(lines()) == 2, what="two access log lines")
+    refused, admitted = sorted(lines(), key=lambda line: line["status"], reverse=True)
+    assert (refused["status"], refused["decision"]) == (429, "deny")
+    assert [(x["name"], x["decision"]) for x in refused["limits"]] == [("conns", "concurrency_limited")]
+    assert (admitted["status"], admitted["decision"]) == (200, "allow")
+    assert [(x["name"], x["decision"]) for x in admitted["limits"]] == [("conns", "allow")]
+    assert refused["limits"][0]["identity"] == admitted["limits"][0]["identity"]
+
+
+@pytest.mark.parametrize(
+    ("limit", "error"),
+    [
+        (
+            "{concurrency: 2, rate: 1/second}",
+            "limits.c.rate: a concurrency limit takes no rate; define a rate limit of its own and list both on the route",
+        ),
+        ("{concurrency: 0}", "limits.c.concurrency: expected an integer >= 1, got 0"),
+        ("{concurrency: 2, lease_ttl: 500ms}", "limits.c.lease_ttl: expected at least 1s, got '500ms'"),
+        ("{concurrency: 2, shadow: true}", "limits.c.shadow: a concurrency limit takes no shadow"),
+    ],
+)
+def test_a_bad_concurrency_limit_is_one_line_naming_its_path(limit: str, error: str):
+    text = f"limits:\n  c: {limit}\nroutes:\n  - {{match: {{path: /}}, upstream: 'http://127.0.0.1:1', limits: [c]}}\n"
+    with pytest.raises(ConfigError) as raised:
+        config_from_yaml(text)
+    assert str(raised.value).startswith(f"<test>: {error}")
+
+
+def test_a_cost_on_a_concurrency_limit_is_refused_by_gateway_check(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "limits:\n  c: {concurrency: 2}\n"
+        "routes:\n  - {match: {path: /}, upstream: 'http://127.0.0.1:1', limits: [{name: c, cost: 2}]}\n"
+    )
+    result = run_cli("check", "-c", str(path))
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"gateway: {path}: routes[0].limits[0].cost: limit 'c' counts requests in flight, one each; "
+        "a cost does not apply\n"
+    )
+
+
+def test_a_route_may_have_rate_and_concurrency_limits_together():
+    config = config_from_yaml(
+        "limits:\n  r: {rate: 1/second}\n  c: {concurrency: 3, lease_ttl: 90s}\n"
+        "routes:\n  - {match: {path: /}, upstream: 'http://127.0.0.1:1', limits: [r, c]}\n"
+    )
+    (route,) = config.routes
+    assert [rl.limit.name for rl in route.limits] == ["r"]
+    assert [(c.name, c.concurrency, c.lease_ttl) for c in route.concurrency] == [("c", 3, 90.0)]

@@ -1,0 +1,150 @@
+"""Fixed-window quotas end to end: the gateway started as users start it, a real
+upstream, and a dedicated redis-server at the default 10 ms store.timeout with the
+limit failing open (or the in-process store).
+
+- 300 concurrent requests against a quota of 50 a day: exactly 50 pass, and every
+  429 says to come back when the UTC day ends (Retry-After and RateLimit `t`).
+- A quota and a token bucket on one route are all-or-nothing: requests the quota
+  denies charge the bucket nothing.
+- A window boundary crossed for real: the gateway (in-process store) runs under
+  libfaketime a few seconds before 2027-01-01 00:00 UTC. A monthly quota of 3 is
+  spent in December, its 429 says to wait out the seconds left of the year, and
+  once the clock passes midnight the January window admits 3 more and asks for
+  31 days.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import datetime
+import email.utils
+import glob
+
+import aiohttp
+import pytest
+
+from tests.processes import GatewayProcess, RedisServer, eventually
+from tests.scrape import settled_decisions
+
+UTC = datetime.timezone.utc
+LIBFAKETIME = sorted(glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1"))
+
+CONFIG = """
+listen: 127.0.0.1:0
+admin_listen: 127.0.0.1:0
+{store}
+limits:
+  daily: {{quota: {{limit: 50, per: day, reset: "00:00 UTC"}}, key: header:X-API-Key, on_store_error: open}}
+  monthly: {{quota: {{limit: 3, per: month}}, key: header:X-API-Key, on_store_error: open}}
+  tokens: {{rate: 1/day, burst: 5, key: header:X-API-Key, on_store_error: open}}
+routes:
+  - match: {{path: /daily}}
+    upstream: {upstream}
+    limits: [daily]
+  - match: {{path: /monthly}}
+    upstream: {upstream}
+    limits: [monthly]
+  - match: {{path: /both}}
+    upstream: {upstream}
+    limits: [tokens, monthly]
+  - match: {{path: /tokens}}
+    upstream: {upstream}
+    limits: [tokens]
+"""
+
+
+@contextlib.contextmanager
+def store(kind: str):
+    if kind == "in-process":
+        yield ""
+        return
+    with RedisServer(dedicated=True) as server:
+        yield f"store: {{url: '{server.url}'}}"
+
+
+def seconds_to_midnight() -> float:
+    now = datetime.datetime.now(UTC)
+    midnight = datetime.datetime.combine(now.date() + datetime.timedelta(days=1), datetime.time(), UTC)
+    return (midnight - now).total_seconds()
+
+
+async def get(http: aiohttp.ClientSession, url: str, key: str) -> tuple[int, dict[str, str]]:
+    async with http.get(url, headers={"X-API-Key": key}) as response:
+        await response.read()
+        return response.status, dict(response.headers)
+
+
+@pytest.mark.parametrize("store_kind", ["redis", "in-process"])
+async def test_exactly_the_quota_passes_a_concurrent_flood_and_429s_wait_for_the_day_to_end(store_kind, upstream):
+    with store(store_kind) as store_block, GatewayProcess(CONFIG.format(store=store_block, upstream=upstream)) as gateway:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            answers = await asyncio.gather(*(get(http, gateway.url + "/daily", "flood") for _ in range(300)))
+            # One more, after the flood's denials came back: with Redis, the gateway's denial
+            # cache answers it, and must advertise the window's end as Redis measured it.
+            answers.append(await get(http, gateway.url + "/daily", "flood"))
+            counts = await settled_decisions(http, gateway.admin_url)
+    statuses = collections.Counter(status for status, _ in answers)
+    print(f"{store_kind}: {dict(statuses)}")
+    assert statuses == {200: 50, 429: 251}
+    assert counts["daily", "allow"] == 50 and counts["daily", "fail_open"] == 0
+    expected = seconds_to_midnight()
+    for status, headers in answers:
+        if status == 429:
+            assert expected - 5 <= int(headers["Retry-After"]) <= expected + 5, headers
+            name, remaining, reset = headers["RateLimit"].split(";")
+            assert (name, remaining) == ('"daily"', "r=0")
+            assert expected - 5 <= int(reset.removeprefix("t=")) <= expected + 5, headers
+    assert answers[0][1]["RateLimit-Policy"] == '"daily";q=50;w=86400'
+
+
+@pytest.mark.parametrize("store_kind", ["redis", "in-process"])
+async def test_requests_a_quota_denies_charge_the_bucket_beside_it_nothing(store_kind, upstream):
+    """/both is a bucket of 5 and a quota of 3: of 10 requests, 3 pass, so the bucket,
+    charged for those 3 only, lets exactly 2 more through on /tokens."""
+    with store(store_kind) as store_block, GatewayProcess(CONFIG.format(store=store_block, upstream=upstream)) as gateway:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            both = await asyncio.gather(*(get(http, gateway.url + "/both", "pair") for _ in range(10)))
+            tokens = await asyncio.gather(*(get(http, gateway.url + "/tokens", "pair") for _ in range(10)))
+            counts = await settled_decisions(http, gateway.admin_url)
+    assert collections.Counter(status for status, _ in both) == {200: 3, 429: 7}
+    assert collections.Counter(status for status, _ in tokens) == {200: 2, 429: 8}
+    assert counts["monthly", "deny"] == 7 and counts["tokens", "skipped"] == 7
+
+
+@pytest.mark.skipif(not LIBFAKETIME, reason="libfaketime is not installed (apt-get install faketime)")
+async def test_a_monthly_quota_resets_when_the_clock_crosses_into_the_new_year(upstream):
+    """The in-process store under libfaketime: its wall clock starts 4 s before
+    2027-01-01 00:00 UTC. (redis-server 7 does not start under libfaketime here: its
+    allocator's first clock_gettime recurses into libfaketime. The script crosses the
+    same boundaries at computed times in tests/test_quota.py.)"""
+    new_year = datetime.datetime(2027, 1, 1, tzinfo=UTC)
+    env = {"LD_PRELOAD": LIBFAKETIME[0], "FAKETIME": (new_year - datetime.timedelta(seconds=4)).strftime("@%Y-%m-%d %H:%M:%S")}
+    with GatewayProcess(CONFIG.format(store="", upstream=upstream), env=env) as gateway:
+        async with aiohttp.ClientSession() as http:
+            december = [await get(http, gateway.url + "/monthly", "boundary") for _ in range(4)]
+            crossed: list[tuple[int, dict[str, str]]] = []
+
+            async def admitted_again() -> bool:
+                crossed.append(await get(http, gateway.url + "/monthly", "boundary"))
+                return crossed[-1][0] == 200
+
+            await eventually(admitted_again, what="the quota to admit again in January", deadline=10)
+            january = [crossed[-1], *[await get(http, gateway.url + "/monthly", "boundary") for _ in range(3)]]
+            counts = await settled_decisions(http, gateway.admin_url)
+
+    def date(headers: dict[str, str]) -> datetime.datetime:
+        return email.utils.parsedate_to_datetime(headers["Date"])
+
+    print(f"December: {[s for s, _ in december]}, Retry-After {december[3][1]['Retry-After']} at {date(december[3][1])}; "
+          f"{len(crossed) - 1} denied until January: {[s for s, _ in january]}, Retry-After "
+          f"{january[3][1]['Retry-After']} at {date(january[3][1])}")
+    assert [status for status, _ in december] == [200, 200, 200, 429]
+    assert date(december[3][1]) < new_year  # the 429 is the gateway's own: its Date is its clock
+    assert 1 <= int(december[3][1]["Retry-After"]) <= 4
+    assert all(status == 429 for status, _ in crossed[:-1])
+    assert [status for status, _ in january] == [200, 200, 200, 429]
+    assert date(january[3][1]) >= new_year
+    assert 31 * 86400 - 10 <= int(january[3][1]["Retry-After"]) <= 31 * 86400
+    assert counts["monthly", "allow"] == 6
