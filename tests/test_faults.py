@@ -385,6 +385,10 @@ routes:
     limits: [hot, fair, held]
 """
 BURST = 30
+# One burst's median moves by several milliseconds with the shared machine's scheduler
+# (a single run saw 5.7 to 23.8 ms added), so the figure is the median over several
+# rounds, each a healthy burst and then a hung one, measured back to back.
+ROUNDS = 5
 
 
 async def test_a_request_waits_out_one_store_timeout_whatever_its_limits(upstream):
@@ -392,8 +396,16 @@ async def test_a_request_waits_out_one_store_timeout_whatever_its_limits(upstrea
     to three times, one after another: the lease's refill, the other limits' check, the
     concurrency lease. Redis hangs, and a burst of requests arrives before the breaker has
     seen enough failures to open: each request takes its failure policies after one store
-    timeout, not one per call (it took three, about 30 ms; at most one store call each)."""
+    timeout, not one per call (it took three, about 30 ms; at most one store call each).
+    Each round's healthy burst closes the breaker's count again, so every hung burst meets
+    a closed breaker."""
     keys = itertools.count()
+    added: list[float] = []
+    calls: list[int] = []
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
     with RedisServer(dedicated=True) as redis_server, \
             ChaosProxy(redis_server.port) as proxy, \
             GatewayProcess(COMBINED_CONFIG.format(url=proxy.url, upstream=upstream)) as gateway, \
@@ -403,30 +415,36 @@ async def test_a_request_waits_out_one_store_timeout_whatever_its_limits(upstrea
             async def burst() -> list[Answer]:
                 return await asyncio.gather(*(request(http, gateway.url, "/open", keys) for _ in range(BURST)))
 
+            async def decided_burst() -> list[Answer]:
+                """A burst that Redis decided whole: after a hang, the gateway's connection
+                may first have to be made again."""
+                for _ in range(20):
+                    answers = await burst()
+                    if all(a.decided for a in answers):
+                        return answers
+                raise AssertionError(f"Redis never decided a whole burst again: {answers}")
+
             for _ in range(3):  # the upstream pool and the lease at their working size
                 await burst()
-            healthy = await burst()
-            assert {a.status for a in healthy} == {200} and all(a.decided for a in healthy), healthy
-            calls_before = await asyncio.to_thread(script_calls, proxy)
-            await asyncio.to_thread(redis_server.pause)
-            try:
-                hung = await burst()
-                calls = (await asyncio.to_thread(script_calls, proxy) - calls_before).total()
-            finally:
-                await asyncio.to_thread(redis_server.resume)
+            for _ in range(ROUNDS):
+                healthy = await decided_burst()
+                assert {a.status for a in healthy} == {200}, healthy
+                calls_before = await asyncio.to_thread(script_calls, proxy)
+                await asyncio.to_thread(redis_server.pause)
+                try:
+                    hung = await burst()
+                    calls.append((await asyncio.to_thread(script_calls, proxy) - calls_before).total())
+                finally:
+                    await asyncio.to_thread(redis_server.resume)
+                assert {a.status for a in hung} == {200} and not any(a.decided for a in hung), hung
+                added.append(median([a.latency for a in hung]) - median([a.latency for a in healthy]))
 
-    def median(answers: list[Answer]) -> float:
-        return sorted(a.latency for a in answers)[len(answers) // 2]
-
-    added = median(hung) - median(healthy)
-    slowest = max(a.latency for a in hung) - max(a.latency for a in healthy)
     print(
-        f"\nFIGURES combined limits, Redis hung: median added {added * 1000:.1f} ms, "
-        f"slowest added {slowest * 1000:.1f} ms, {calls} store calls for {BURST} requests"
+        f"\nFIGURES combined limits, Redis hung: median added per round "
+        f"{', '.join(f'{a * 1000:.1f}' for a in added)} ms; store calls per {BURST} requests: {calls}"
     )
-    assert {a.status for a in hung} == {200} and not any(a.decided for a in hung), hung
-    assert calls <= BURST, f"{calls} store calls for {BURST} requests: some asked the store again after it failed them"
-    assert added <= STORE_TIMEOUT + LATENCY_SLACK, f"a hung Redis added {added * 1000:.1f} ms (median)"
+    assert max(calls) <= BURST, f"store calls per {BURST} requests: {calls}: some asked the store again after it failed them"
+    assert median(added) <= STORE_TIMEOUT + LATENCY_SLACK, f"a hung Redis added {median(added) * 1000:.1f} ms (median of rounds)"
 
 
 # --- concurrency leases whose release the store failed ---------------------------------
