@@ -8,6 +8,7 @@ it would have allowed it. It never would have."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import time
 
@@ -159,6 +160,62 @@ async def test_waves_send_concurrent_checks_of_one_client_once_per_round_trip():
     await asyncio.gather(*rest)
     assert sorted(current) == [1, 2, 3, 4, 5]  # all five went as one wave
     assert len(waves) == 0
+
+
+async def test_a_wave_sends_no_more_checks_than_it_has_seats_and_the_rest_go_next():
+    """Seats are counted from what the wave waited for learned; a check without a seat waits
+    one more round trip, and the next wave counts its seats afresh."""
+    counted: list[tuple[str, float | None]] = []
+
+    def seats(checks: str, waited) -> int:
+        counted.append((checks, waited.sent_at))
+        return 2 if waited.sent_at == 1.0 else 0  # 0: each wave still gets one
+
+    waves = ClientWaves(seats=seats)
+    answers = {wave_number: asyncio.Event() for wave_number in range(1, 6)}
+    sent: dict[int, list[int]] = collections.defaultdict(list)
+    opened: list[object] = []
+
+    async def check(i: int) -> None:
+        wave = await waves.join("client", "checks")
+        if wave not in opened:
+            opened.append(wave)
+        number = opened.index(wave) + 1
+        sent[number].append(i)
+        try:
+            await answers[number].wait()
+            wave.learn(float(number), (5.0 - number,), (None,))
+        finally:
+            waves.leave("client", wave)
+
+    tasks = [asyncio.ensure_future(check(i)) for i in range(6)]
+    await asyncio.sleep(0)
+    assert dict(sent) == {1: [0]}, "the first check goes alone; the others wait for it"
+    answers[1].set()
+    while len(sent) < 2:
+        await asyncio.sleep(0)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert sorted(sent[2]) == [1, 2], "two seats: two of the five waiting checks go"
+    answers[2].set()
+    for number in (3, 4, 5):
+        while len(sent) < number:
+            await asyncio.sleep(0)
+        answers[number].set()
+    await asyncio.gather(*tasks)
+    assert [len(sent[n]) for n in range(1, 6)] == [1, 2, 1, 1, 1], "then one seat each (0 counted, 1 given)"
+    assert counted == [("checks", 1.0), ("checks", 2.0), ("checks", 3.0), ("checks", 4.0)]
+    assert len(waves) == 0
+
+
+async def test_a_wave_learns_the_fewest_tokens_any_answer_left_and_its_earliest_send():
+    waves = ClientWaves()
+    wave = await waves.join("client")
+    wave.learn(2.0, (7.0, None), (None, None))
+    wave.learn(1.5, (9.0, 3.0), (None, 60.0))
+    wave.learn(2.5, (4.0, 5.0), (None, 50.0))
+    assert (wave.sent_at, list(wave.fewest_left), list(wave.resets)) == (1.5, [4.0, 3.0], [None, 60.0])
+    waves.leave("client", wave)
 
 
 async def test_a_failed_wave_fails_the_wave_behind_it_at_once():

@@ -12,6 +12,7 @@ measures speed."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import re
 import shutil
 import tempfile
@@ -77,6 +78,51 @@ async def test_one_key_flooded_by_wrk_gets_exactly_the_burst_through(dedicated_r
     assert total - 1 <= counts["flood", "deny"] + counts["flood", "skipped"] <= total + connections
     store_calls = dedicated_redis.client().info("commandstats")["cmdstat_evalsha"]["calls"]
     assert store_calls <= 0.05 * total, f"{store_calls} store calls for {total} requests"
+
+
+ONE_QUOTA = """
+listen: 127.0.0.1:0
+admin_listen: 127.0.0.1:0
+store:
+  url: {url}
+limits:
+  billed: {{quota: {{limit: 100, per: day}}, key: header:X-API-Key, on_store_error: open}}
+routes:
+  - match: {{path: /}}
+    upstream: {upstream}
+    limits: [billed]
+"""
+
+
+@pytest.mark.parametrize("kind", ["bucket", "quota"])
+async def test_a_flood_at_a_bucket_with_tokens_left_asks_the_store_about_as_often_as_tokens_are_left(
+    dedicated_redis, upstream, kind
+):
+    """1,000 requests of one client at once, on their own connections, at 100 tokens (a
+    bucket's burst, or a quota's limit): exactly 100 pass and none fails open, and the
+    gateway sends about one script call per token, not one per request. It sent 1,000:
+    every request that waited for the first check went to Redis together, and in a fleet
+    the last of them came back after the store timeout and failed open."""
+    if kind == "bucket":
+        config = ONE_REDIS_LIMIT.format(url=dedicated_redis.url, upstream=upstream, name="billed", rate="1/hour", burst=100)
+    else:
+        config = ONE_QUOTA.format(url=dedicated_redis.url, upstream=upstream)
+    with GatewayProcess(config) as gateway:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+
+            async def one() -> int:
+                async with http.get(gateway.url + "/", headers={"X-API-Key": "flooding-client"}) as response:
+                    await response.read()
+                    return response.status
+
+            statuses = collections.Counter(await asyncio.gather(*(one() for _ in range(1000))))
+            counts = await settled_decisions(http, gateway.admin_url)
+    store_calls = dedicated_redis.client().info("commandstats")["cmdstat_evalsha"]["calls"]
+    print(f"\n{kind}: {dict(statuses)}, {store_calls} script calls")
+    assert statuses == {200: 100, 429: 900}
+    assert counts["billed", "fail_open"] == 0
+    assert counts["billed", "allow"] == 100
+    assert store_calls <= 110, f"{store_calls} script calls for 1000 requests at 100 tokens"
 
 
 async def test_ten_thousand_clients_under_load_are_each_decided_by_redis(dedicated_redis, upstream):

@@ -9,6 +9,16 @@ it, then go together as the next wave. By then the first wave's replies are in
 the denial cache, so a flooding client's next wave is answered locally, and a
 client with tokens left pays at most one extra round trip.
 
+A wave has seats for no more checks than could pass: the caller counts them
+from what the wave before it learned (`Wave.learn`: the fewest tokens it saw
+left, and when it sent). The checks it has no seat for wait for the next wave
+instead of sending. Otherwise a flood of one client whose bucket still held a
+few tokens sent every waiting check at once: a thousand requests at a quota of
+100 over four gateways put 996 script calls into Redis in one round trip, and
+the last of them came back after the store timeout and failed open. Seats
+never decide anything; a check without one only asks one round trip later,
+when the denial cache most likely answers it.
+
 When a wave fails (a store error or timeout), the wave waiting behind it fails
 at once with the same error rather than sending: the store just failed, and a
 second full timeout would double the latency the failure policy promises.
@@ -19,46 +29,82 @@ Only asyncio synchronisation, no I/O: the caller sends and reports back.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 from gateway.limiter.store import StoreError
+
+
+# A wave's seats when nothing limits them: every check that waited goes.
+UNLIMITED_SEATS = 1 << 62
 
 
 class Wave:
     """Checks of one signature sent together; `done` resolves when every member has its answer."""
 
-    __slots__ = ("members", "done", "after", "error")
+    __slots__ = ("members", "joined", "seats", "done", "after", "error", "sent_at", "fewest_left", "resets")
 
-    def __init__(self, after: Wave | None) -> None:
-        self.members = 0
+    def __init__(self, after: Wave | None, seats: int = UNLIMITED_SEATS) -> None:
+        self.members = 0  # still waiting for their answers
+        self.joined = 0
+        self.seats = seats
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.after = after  # the wave this one waited for
         self.error: StoreError | None = None
+        # What the store's answers to this wave showed: the earliest send, and per check
+        # the fewest tokens left (None: not asked) with its quota's reset. None: no answer.
+        self.sent_at: float | None = None
+        self.fewest_left: Sequence[float | None] = ()
+        self.resets: Sequence[float | None] = ()
+
+    def learn(self, sent_at: float, remaining: Sequence[float | None], resets: Sequence[float | None]) -> None:
+        """A member's answer from the store, for counting the next wave's seats."""
+        if self.sent_at is None:
+            self.sent_at, self.fewest_left, self.resets = sent_at, remaining, resets
+            return
+        self.sent_at = min(self.sent_at, sent_at)
+        if any(left is not None and (fewest is None or left < fewest) for left, fewest in zip(remaining, self.fewest_left)):
+            pairs = [
+                (left, reset) if left is not None and (fewest is None or left < fewest) else (fewest, kept)
+                for left, reset, fewest, kept in zip(remaining, resets, self.fewest_left, self.resets)
+            ]
+            self.fewest_left = [left for left, _ in pairs]
+            self.resets = [reset for _, reset in pairs]
 
 
 class ClientWaves:
-    def __init__(self) -> None:
+    """`seats(checks, waited)` counts a new wave's seats from the wave it waited for (at
+    least 1 is given); `checks` is what the joining caller passed."""
+
+    def __init__(self, seats: Callable[[Any, Wave], int] | None = None) -> None:
         self._in_flight: dict[Hashable, Wave] = {}
+        self._seats = seats
 
     def __len__(self) -> int:
         return len(self._in_flight)
 
-    async def join(self, signature: Hashable) -> Wave:
-        """The wave to send with, after waiting for the one in flight, if any.
+    async def join(self, signature: Hashable, checks: Any = None) -> Wave:
+        """The wave to send with, after waiting for the one in flight, if any (and for the
+        next, when it has no seat left). `checks`: for counting seats; None, no limit.
         Raises the StoreError of the wave waited for. Pair with `leave`."""
         waited: Wave | None = None
         while True:
             wave = self._in_flight.get(signature)
             if wave is None:
-                wave = self._in_flight[signature] = Wave(after=waited)
+                if waited is None or checks is None or self._seats is None:
+                    count = UNLIMITED_SEATS
+                else:
+                    count = max(1, self._seats(checks, waited))
+                wave = self._in_flight[signature] = Wave(after=waited, seats=count)
                 break
-            if waited is not None and wave.after is waited:
-                break  # the first of our group to wake opened it
+            if waited is not None and wave.after is waited and wave.joined < wave.seats:
+                break  # the first of our group to wake opened it, and a seat is left
             waited = wave
             await asyncio.shield(wave.done)
             if wave.error is not None:
                 raise wave.error
         wave.members += 1
+        wave.joined += 1
         return wave
 
     def leave(self, signature: Hashable, wave: Wave, error: StoreError | None = None) -> None:

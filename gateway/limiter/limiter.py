@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from gateway.config.model import FailurePolicy, Limit
 from gateway.limiter.circuit_breaker import BreakerState, CircuitBreaker
-from gateway.limiter.client_waves import ClientWaves
+from gateway.limiter.client_waves import UNLIMITED_SEATS, ClientWaves, Wave
 from gateway.limiter.concurrency import FAILED_THIS_REQUEST as NOT_ASKED_AGAIN
 from gateway.limiter.concurrency import SETTLE_SECONDS, Concurrency
 from gateway.limiter.denial_cache import REFUNDING_STORE_MAX_HOLD, CachedDenial, DenialCache
@@ -113,6 +113,30 @@ LEASE_REFILL_FAILED = StoreError("the store failed the lease refill this request
 FAILED_THIS_REQUEST = StoreError(NOT_ASKED_AGAIN)  # the reason its concurrency limits are given too
 
 
+def _seats(checks: Sequence[LimitCheck], waited: Wave) -> int:
+    """How many of these checks could pass now, at most, by what the store told the wave
+    waited for: its fewest tokens left, refilled at each limit's rate since that wave was
+    sent (a quota: none until its window ends), plus what shaping may borrow. Other
+    gateways only take tokens away, so more would be denied; a store that gives tokens
+    back (a refund) only makes a check wait one round trip longer than it had to."""
+    if waited.sent_at is None:
+        return UNLIMITED_SEATS
+    elapsed = time.monotonic() - waited.sent_at
+    seats = UNLIMITED_SEATS
+    for check, left, reset in zip(checks, waited.fewest_left, waited.resets):
+        if left is None:
+            continue
+        limit = check.limit
+        if limit.quota is not None:
+            if reset is None or elapsed >= reset:
+                continue
+            tokens = left
+        else:
+            tokens = left + (elapsed + check.max_delay) * limit.rate.per_second
+        seats = min(seats, int(tokens // check.cost))
+    return seats
+
+
 class Limiter:
     """`shared_store`: the store is shared with other gateways over the network (Redis).
     Then a bucket found short of its cost is answered locally until it could pay
@@ -143,7 +167,7 @@ class Limiter:
         else:
             self.denials = DenialCache()
         self.breaker = CircuitBreaker(on_change=on_breaker_change)
-        self._waves = ClientWaves()
+        self._waves = ClientWaves(seats=_seats)
         self._local_divisor = local_divisor
         self._local_store = MemoryStore()
         self._local_limits: dict[tuple[str, int], tuple[Limit, Limit]] = {}  # (name, cost) -> (limit, its share)
@@ -337,7 +361,7 @@ class Limiter:
         if lease:
             signature = ("lease", *signature)
         try:
-            wave = await self._waves.join(signature)
+            wave = await self._waves.join(signature, None if lease else checks)
         except StoreError as exc:  # the wave this one waited for failed
             return self._on_store_error(checks, exc)
         error = None
@@ -363,6 +387,8 @@ class Limiter:
                 self.breaker.abandoned(time.monotonic())
                 raise
             self.breaker.succeeded()
+            if not lease:
+                wave.learn(sent_at, answer.remaining, answer.resets)
             # Allowed or not, a bucket left short of its cost cannot pass until it refills.
             for c, left, reset in zip(checks, answer.remaining, answer.resets):
                 if left is not None and left < c.cost:
