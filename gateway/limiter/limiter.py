@@ -132,7 +132,7 @@ def _seats(checks: Sequence[LimitCheck], waited: Wave) -> int:
                 continue
             tokens = left
         else:
-            tokens = left + (elapsed + check.max_delay) * limit.rate.per_second
+            tokens = left + (elapsed + limit.max_delay) * limit.rate.per_second
         seats = min(seats, int(tokens // check.cost))
     return seats
 
