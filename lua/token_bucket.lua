@@ -169,17 +169,21 @@ for i = 1, count do
     -- lowered the rate (or raised the burst or lengthened the window) makes the bucket take
     -- longer to fill than the TTL its last charge set, and expiring early it would come
     -- back full (or the quota empty) too soon.
-    local need
+    local ttl = redis.call('PTTL', KEYS[i])  -- -1: none, and none is needed
     if quota then
-      need = ends[i] - now
+      -- Gone when the window ends, as a charge sets it. PTTL is in whole milliseconds, so
+      -- only a deadline more than one short is moved: the window's own is left alone.
+      local need = math.max(1, math.ceil(ends[i] - now))
+      if ttl >= 0 and ttl + 1 < need then
+        redis.call('PEXPIRE', KEYS[i], need)
+      end
     else
       local a = 4 * i - 2
       local capacity, rate = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
-      need = (stamps[i] - now) + (capacity - held[i]) / rate * 1000
-    end
-    local ttl = redis.call('PTTL', KEYS[i])  -- -1: none, and none is needed
-    if ttl >= 0 and ttl < need then
-      redis.call('PEXPIRE', KEYS[i], math.min(math.ceil(need) + 1000, MAX_TTL_MS))
+      local need = (stamps[i] - now) + (capacity - held[i]) / rate * 1000
+      if ttl >= 0 and ttl < need then
+        redis.call('PEXPIRE', KEYS[i], math.min(math.ceil(need) + 1000, MAX_TTL_MS))
+      end
     end
   end
   remaining[i] = exact(held[i])
