@@ -158,7 +158,8 @@ class RedisCluster:
         for _ in range(masters * 2):
             node = RedisServer(
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(self.NODE_TIMEOUT_MS), *auth, dedicated=dedicated, password=password,
+                "--cluster-node-timeout", str(self.NODE_TIMEOUT_MS), "--repl-diskless-sync-delay", "0",
+                *auth, dedicated=dedicated, password=password,
             )
             node.port = free_cluster_port()
             self.nodes.append(node)
