@@ -125,6 +125,26 @@ async def test_a_flood_at_a_bucket_with_tokens_left_asks_the_store_about_as_ofte
     assert store_calls <= 110, f"{store_calls} script calls for 1000 requests at 100 tokens"
 
 
+async def test_a_flood_of_checks_that_cost_nothing_all_pass(dedicated_redis, upstream):
+    """A route that only watches a bucket (`cost: 0`): 300 requests of one client at once
+    all pass, decided by Redis, whatever the bucket holds."""
+    config = ONE_REDIS_LIMIT.format(
+        url=dedicated_redis.url, upstream=upstream, name="watched", rate="1/hour", burst=1
+    ).replace("limits: [watched]", "limits: [{name: watched, cost: 0}]")
+    with GatewayProcess(config) as gateway:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+
+            async def one() -> int:
+                async with http.get(gateway.url + "/", headers={"X-API-Key": "watched-client"}) as response:
+                    await response.read()
+                    return response.status
+
+            statuses = collections.Counter(await asyncio.gather(*(one() for _ in range(300))))
+            counts = await settled_decisions(http, gateway.admin_url)
+    assert statuses == {200: 300}
+    assert counts["watched", "allow"] == 300 and counts["watched", "fail_open"] == 0
+
+
 async def test_ten_thousand_clients_under_load_are_each_decided_by_redis(dedicated_redis, upstream):
     """Every check goes to Redis here (nobody is denied), so a check that waited for the
     gateway's own busy event loop rather than for Redis would show as fail_open."""

@@ -124,7 +124,7 @@ def _seats(checks: Sequence[LimitCheck], waited: Wave) -> int:
     elapsed = time.monotonic() - waited.sent_at
     seats = UNLIMITED_SEATS
     for check, left, reset in zip(checks, waited.fewest_left, waited.resets):
-        if left is None:
+        if left is None or check.cost == 0:  # a cost of 0 always passes
             continue
         limit = check.limit
         if limit.quota is not None:
