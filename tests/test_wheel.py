@@ -94,3 +94,29 @@ def test_an_installed_wheel_ships_the_lua_script_and_the_admin_page_and_loads_th
     assert probe["loaded"] == probe["resource"]
     assert probe["page"] == {name: (PAGE / name).read_text(encoding="utf-8") for name in PAGE_FILES}
 
+
+
+def test_a_source_checkout_reads_its_own_lua_folder(tmp_path):
+    """`python -m gateway` in the root of a checkout, with the gateway installed from a wheel
+    (or not at all): the checkout's package has no `gateway.lua`, which only an install
+    maps, so the scripts come from its `lua/` folder. It was a ModuleNotFoundError
+    traceback. No site-packages .pth runs here (-S), so no editable install answers."""
+    checkout = tmp_path / "checkout"
+    shutil.copytree(ROOT / "gateway", checkout / "gateway", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "lua", checkout / "lua")
+    paths = sysconfig.get_paths()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), paths["purelib"], paths["platlib"]])}
+    probe = (
+        "import json, gateway\n"
+        "from gateway.limiter import redis_store as s\n"
+        "names = (s.SCRIPT_NAME, s.REFUND_SCRIPT_NAME, s.CONCURRENCY_SCRIPT_NAME, s.TOKEN_LEASE_SCRIPT_NAME)\n"
+        "print(json.dumps({'gateway': gateway.__file__, 'scripts': {n: s.load_script(n) for n in names}}))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", probe], cwd=checkout, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout)
+    assert Path(found["gateway"]).is_relative_to(checkout)
+    assert found["scripts"] == {name: (ROOT / "lua" / name).read_text(encoding="utf-8") for name in found["scripts"]}
+    assert len(found["scripts"]) == 4

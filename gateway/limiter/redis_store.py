@@ -29,6 +29,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from importlib import resources
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from gateway.config.loader import redacted_url
@@ -84,8 +85,14 @@ SETUP_TIMEOUT_FLOOR = 1.0
 
 
 def load_script(name: str = SCRIPT_NAME) -> str:
-    """A Lua script shipped inside the package (the top-level `lua/` folder)."""
-    return resources.files("gateway.lua").joinpath(name).read_text(encoding="utf-8")
+    """A Lua script shipped inside the package (the top-level `lua/` folder). Run from a
+    source checkout (`python -m gateway` in its root, over an install that is not
+    editable), the package has no `gateway.lua`: the checkout's `lua/` is read instead."""
+    try:
+        scripts = resources.files("gateway.lua")
+    except ModuleNotFoundError:
+        scripts = Path(__file__).resolve().parents[2] / "lua"
+    return scripts.joinpath(name).read_text(encoding="utf-8")
 
 
 def redacted(url: str) -> str:
