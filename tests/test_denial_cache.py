@@ -8,6 +8,7 @@ it would have allowed it. It never would have."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import collections
 import random
 import time
@@ -16,7 +17,7 @@ import pytest
 
 from gateway.config.model import Limit, StoreConfig
 from gateway.limiter import denial_cache
-from gateway.limiter.client_waves import ClientWaves
+from gateway.limiter.client_waves import ClientWaves, Wave
 from gateway.limiter.denial_cache import DenialCache, could_pass_in, held_until
 from gateway.limiter.keys import bucket_key, identity_digest
 from gateway.limiter.limiter import Limiter
@@ -205,6 +206,24 @@ async def test_a_wave_sends_no_more_checks_than_it_has_seats_and_the_rest_go_nex
     await asyncio.gather(*tasks)
     assert [len(sent[n]) for n in range(1, 6)] == [1, 2, 1, 1, 1], "then one seat each (0 counted, 1 given)"
     assert counted == [("checks", 1.0), ("checks", 2.0), ("checks", 3.0), ("checks", 4.0)]
+    assert len(waves) == 0
+
+
+async def test_a_client_that_never_stops_keeps_no_chain_of_past_waves():
+    """Two requests of one client take turns for ever: each arrives while the other's wave
+    is in flight, so every wave is opened by a waiter of the one before. A finished wave
+    is forgotten; it was kept by the next one's `after`, and so on back to the first."""
+    waves = ClientWaves()
+    current = await waves.join("client")
+    for _ in range(5):
+        waiting = asyncio.ensure_future(waves.join("client"))
+        await asyncio.sleep(0)
+        waves.leave("client", current)
+        current = await waiting
+    gc.collect()
+    alive = sum(isinstance(o, Wave) for o in gc.get_objects())
+    assert alive <= 2, f"{alive} waves alive: more than the one in flight and the one it waited for"
+    waves.leave("client", current)
     assert len(waves) == 0
 
 

@@ -115,4 +115,7 @@ class ClientWaves:
         if wave.members == 0:
             if self._in_flight.get(signature) is wave:
                 del self._in_flight[signature]
+            # Only joiners compare `after`, and a finished wave has none: kept, each wave
+            # would hold the one before it, back to the first of a flood that never paused.
+            wave.after = None
             wave.done.set_result(None)
