@@ -80,6 +80,21 @@ async def test_one_key_flooded_by_wrk_gets_exactly_the_burst_through(dedicated_r
     assert store_calls <= 0.05 * total, f"{store_calls} store calls for {total} requests"
 
 
+async def flood_one_client(config: str, api_key: str, requests: int) -> tuple[collections.Counter, dict]:
+    """`requests` requests of one client sent at once to a gateway on `config`, each on a
+    connection of its own: the statuses, and the gateway's settled decisions."""
+    with GatewayProcess(config) as gateway:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+
+            async def one() -> int:
+                async with http.get(gateway.url + "/", headers={"X-API-Key": api_key}) as response:
+                    await response.read()
+                    return response.status
+
+            statuses = collections.Counter(await asyncio.gather(*(one() for _ in range(requests))))
+            return statuses, await settled_decisions(http, gateway.admin_url)
+
+
 ONE_QUOTA = """
 listen: 127.0.0.1:0
 admin_listen: 127.0.0.1:0
@@ -107,16 +122,7 @@ async def test_a_flood_at_a_bucket_with_tokens_left_asks_the_store_about_as_ofte
         config = ONE_REDIS_LIMIT.format(url=dedicated_redis.url, upstream=upstream, name="billed", rate="1/hour", burst=100)
     else:
         config = ONE_QUOTA.format(url=dedicated_redis.url, upstream=upstream)
-    with GatewayProcess(config) as gateway:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-
-            async def one() -> int:
-                async with http.get(gateway.url + "/", headers={"X-API-Key": "flooding-client"}) as response:
-                    await response.read()
-                    return response.status
-
-            statuses = collections.Counter(await asyncio.gather(*(one() for _ in range(1000))))
-            counts = await settled_decisions(http, gateway.admin_url)
+    statuses, counts = await flood_one_client(config, "flooding-client", 1000)
     store_calls = dedicated_redis.client().info("commandstats")["cmdstat_evalsha"]["calls"]
     print(f"\n{kind}: {dict(statuses)}, {store_calls} script calls")
     assert statuses == {200: 100, 429: 900}
@@ -131,16 +137,7 @@ async def test_a_flood_of_checks_that_cost_nothing_all_pass(dedicated_redis, ups
     config = ONE_REDIS_LIMIT.format(
         url=dedicated_redis.url, upstream=upstream, name="watched", rate="1/hour", burst=1
     ).replace("limits: [watched]", "limits: [{name: watched, cost: 0}]")
-    with GatewayProcess(config) as gateway:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-
-            async def one() -> int:
-                async with http.get(gateway.url + "/", headers={"X-API-Key": "watched-client"}) as response:
-                    await response.read()
-                    return response.status
-
-            statuses = collections.Counter(await asyncio.gather(*(one() for _ in range(300))))
-            counts = await settled_decisions(http, gateway.admin_url)
+    statuses, counts = await flood_one_client(config, "watched-client", 300)
     assert statuses == {200: 300}
     assert counts["watched", "allow"] == 300 and counts["watched", "fail_open"] == 0
 
