@@ -416,6 +416,17 @@ class GatewayProcess:
 
 
 @contextlib.contextmanager
+def store_block_for(kind: str) -> Iterator[str]:
+    """The config's `store:` block for a test run on each store: none for "in-process",
+    else a dedicated redis-server's, which runs for as long as the block is in use."""
+    if kind == "in-process":
+        yield ""
+        return
+    with RedisServer(dedicated=True) as server:
+        yield f"store: {{url: '{server.url}'}}"
+
+
+@contextlib.contextmanager
 def gateway_fleet(config_text: str, count: int, **kwargs: Any) -> Iterator[list[GatewayProcess]]:
     """`count` gateway processes of one config (a fleet sharing its store), started in
     parallel; every one is stopped at the end, however the block ends. `kwargs` go to each

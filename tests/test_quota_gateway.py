@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import datetime
 import email.utils
 import glob
@@ -25,7 +24,7 @@ import glob
 import aiohttp
 import pytest
 
-from tests.processes import GatewayProcess, RedisServer, eventually
+from tests.processes import GatewayProcess, eventually, store_block_for
 from tests.scrape import settled_decisions
 
 UTC = datetime.timezone.utc
@@ -55,15 +54,6 @@ routes:
 """
 
 
-@contextlib.contextmanager
-def store(kind: str):
-    if kind == "in-process":
-        yield ""
-        return
-    with RedisServer(dedicated=True) as server:
-        yield f"store: {{url: '{server.url}'}}"
-
-
 def seconds_to_midnight() -> float:
     now = datetime.datetime.now(UTC)
     midnight = datetime.datetime.combine(now.date() + datetime.timedelta(days=1), datetime.time(), UTC)
@@ -78,7 +68,7 @@ async def get(http: aiohttp.ClientSession, url: str, key: str) -> tuple[int, dic
 
 @pytest.mark.parametrize("store_kind", ["redis", "in-process"])
 async def test_exactly_the_quota_passes_a_concurrent_flood_and_429s_wait_for_the_day_to_end(store_kind, upstream):
-    with store(store_kind) as store_block, GatewayProcess(CONFIG.format(store=store_block, upstream=upstream)) as gateway:
+    with store_block_for(store_kind) as store_block, GatewayProcess(CONFIG.format(store=store_block, upstream=upstream)) as gateway:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
             answers = await asyncio.gather(*(get(http, gateway.url + "/daily", "flood") for _ in range(300)))
             # One more, after the flood's denials came back: with Redis, the gateway's denial
@@ -103,7 +93,7 @@ async def test_exactly_the_quota_passes_a_concurrent_flood_and_429s_wait_for_the
 async def test_requests_a_quota_denies_charge_the_bucket_beside_it_nothing(store_kind, upstream):
     """/both is a bucket of 5 and a quota of 3: of 10 requests, 3 pass, so the bucket,
     charged for those 3 only, lets exactly 2 more through on /tokens."""
-    with store(store_kind) as store_block, GatewayProcess(CONFIG.format(store=store_block, upstream=upstream)) as gateway:
+    with store_block_for(store_kind) as store_block, GatewayProcess(CONFIG.format(store=store_block, upstream=upstream)) as gateway:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
             both = await asyncio.gather(*(get(http, gateway.url + "/both", "pair") for _ in range(10)))
             tokens = await asyncio.gather(*(get(http, gateway.url + "/tokens", "pair") for _ in range(10)))

@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.processes import GatewayProcess, RedisServer
+from tests.processes import GatewayProcess, RedisServer, store_block_for
 from tests.scrape import scrape, settled_decisions, value
 from tests.upstream import serving
 
@@ -73,15 +73,6 @@ async def arrivals_upstream():
         yield url, arrived
 
 
-@contextlib.contextmanager
-def store(kind: str):
-    if kind == "in-process":
-        yield ""
-        return
-    with RedisServer(dedicated=True) as server:
-        yield f"store: {{url: '{server.url}'}}"
-
-
 async def flood(http: aiohttp.ClientSession, url: str, arrived: list[float]) -> tuple[list[int], list[str | None], float]:
     """CONCURRENT requests of one client at once, after one of another client that opens
     the gateway's connection to the upstream (a first connection costs milliseconds the
@@ -118,7 +109,7 @@ def assert_waited_their_turn(delays: list[int]) -> None:
 @pytest.mark.parametrize("store_kind", ["redis", "in-process"])
 async def test_a_flood_is_shaped_one_at_once_five_waiting_in_order_the_rest_rejected(store_kind):
     async with arrivals_upstream() as (upstream, arrived):
-        with store(store_kind) as store_block, GatewayProcess(
+        with store_block_for(store_kind) as store_block, GatewayProcess(
             shaping_config(upstream, store=store_block)
         ) as gateway:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
@@ -191,7 +182,7 @@ async def test_a_shaping_limit_that_could_delay_is_not_named_as_denying_beside_o
     route's other limit denies, the 429 is that limit's (not the shaping limit's 503), and
     the shaping limit counts as skipped. Both are charged for the three admitted only."""
     async with arrivals_upstream() as (upstream, arrived):
-        with store(store_kind) as store_block, GatewayProcess(
+        with store_block_for(store_kind) as store_block, GatewayProcess(
             shaping_config(
                 upstream,
                 store=store_block,
