@@ -7,12 +7,8 @@ from the matched route, never from the request target or the Host header.
 Bodies stream both ways in chunks and are never held whole, except that a
 request body still arriving is read ahead up to 64 KiB (a chunked one up to the
 route's max_body_size) before an upstream connection is taken, so a client that
-trickles its body holds none. aiohttp client errors are translated here: a
-refused or failed upstream is 502, a slow one 504; no free upstream connection
-within timeout.queue is 503. A pool route's request goes to the target its
-balancer picks, and after a connect failure to another (gateway.proxy.upstream_pool
-says when); none in rotation is 503. Each of these two 503s is counted once, by
-route and reason, in gateway_upstream_unavailable_total; only these answers touch it.
+trickles its body holds none. Sending it upstream, and the answers that can
+come of that, are gateway.proxy.forwarding's.
 """
 
 from __future__ import annotations
@@ -20,14 +16,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import ssl
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import hdrs, web
-from aiohttp.http import HttpVersion10, HttpVersion11
+from aiohttp.http import HttpVersion11
 from multidict import CIMultiDict
-from yarl import URL
 
 from gateway.access_log import ACCESS_RECORD, AccessRecord, request_id
 from gateway.bounded_protocol import CANCEL_ON_HANGUP, ClientLimitExceeded, hung_up
@@ -36,21 +32,21 @@ from gateway.limiter.concurrency import Admission
 from gateway.limiter.limiter import UNLIMITED, Decision, Limiter
 from gateway.limiter.outcomes import ALLOW, FAIL_CLOSED, FAIL_OPEN, SKIPPED
 from gateway.limiter.store import LimitCheck
-from gateway.metrics import NO_TARGET, QUEUE_FULL, STATUS_CLASSES, Metrics, method_label
+from gateway.metrics import STATUS_CLASSES, Metrics, method_label
 from gateway.proxy.client_identity import ClientIdentity, IdentityRejected
+from gateway.proxy.forwarding import Upstream, forward, http_attempt, websocket_attempt
 from gateway.proxy.header_rewrite import rewrite_headers
-from gateway.proxy.headers import GATEWAY_WRITTEN, add_forwarded, drop_cgi_aliases, end_to_end, unrelayable_coding
+from gateway.proxy.headers import GATEWAY_WRITTEN, add_forwarded, drop_cgi_aliases, end_to_end
 from gateway.proxy.paths import NormalPath, PathRejected, normalize_path
 from gateway.proxy.problem import problem, problem_response
 from gateway.proxy.protocol import request_line_problem
 from gateway.proxy.health_checks import HealthChecks
 from gateway.proxy.ratelimit_headers import retry_after_seconds
-from gateway.proxy.route_plan import CONCURRENCY_RETRY_AFTER, Plans, PoolPlan, RoutePlan, TargetPlan, compile_plans
+from gateway.proxy.route_plan import CONCURRENCY_RETRY_AFTER, Plans, RoutePlan, compile_plans
 from gateway.proxy.routing import request_host
 from gateway.proxy.tiers import held_to, tier_header, with_allowlisted
-from gateway.proxy.upstream_pool import Outcome, TargetStates, retry_allowed
-from gateway.proxy.upstream_slots import UpstreamSlots
-from gateway.proxy.websocket import WebSocketConnectFailed, is_websocket_upgrade, proxy_websocket
+from gateway.proxy.upstream_pool import TargetStates
+from gateway.proxy.websocket import is_websocket_upgrade
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +64,6 @@ _RETRY_AFTER_ONE = {"Retry-After": "1"}  # shared safely: a Response copies the 
 # nginx's status for a request whose client closed the connection before the answer:
 # logged and counted, never sent, and never a 5xx, which would page someone for a client's choice.
 CLIENT_CLOSED = 499
-# The upstream sessions' own: a request's timeouts are its route's, passed per request.
-_NO_TIMEOUT = aiohttp.ClientTimeout(total=None)
 # Set on a request that asked for 100 Continue and has not been sent it yet (see _expectation).
 _AWAITING_CONTINUE = web.RequestKey("gateway.awaiting_continue", bool)
 
@@ -84,16 +78,15 @@ class ProxyHandler:
         self._health = HealthChecks(metrics.target_healthy, metrics.show_targets)
         self._limiter = limiter
         self._metrics = metrics
-        self._sessions: dict[str, aiohttp.ClientSession] = {}
-        # By (upstream, connect timeout, read timeout): see _ws_session.
-        self._ws_sessions: dict[tuple[str, float | None, float | None], aiohttp.ClientSession] = {}
         self._connections = config.upstream_connections
-        self._slots = {upstream: UpstreamSlots(self._connections) for upstream in self._plans.upstreams}
+        # One TLS context for every https upstream: the system's trust store (SSL_CERT_FILE
+        # too), verified, with each target's host name for SNI and the certificate check.
+        self._tls = ssl.create_default_context()
+        self._upstreams = {url: Upstream(url, self._connections, self._tls) for url in self._plans.upstreams}
         # Upstreams a reload dropped (a pool's targets replaced, a route removed), by the
         # generation of the config that dropped them. Requests that began on an older config
-        # may still send there, so each session closes once none of those is in flight:
-        # without this, a fleet whose targets change on every deploy kept a session, a
-        # connector and its slots per target it ever had.
+        # may still send there, so each closes once none of those is in flight: a fleet
+        # whose targets change on every deploy would otherwise keep every target it ever had.
         self._generation = 0
         self._in_flight_by_generation: dict[int, int] = {}
         self._retiring: dict[str, int] = {}
@@ -104,58 +97,35 @@ class ProxyHandler:
         self._delayed = 0
 
     async def start(self) -> None:
-        for upstream in self._plans.upstreams:
-            self._sessions[upstream] = self._session()
         self._health.update(self._plans.pool_targets)
-
-    def _session(
-        self, connector: aiohttp.BaseConnector | None = None, timeout: aiohttp.ClientTimeout = _NO_TIMEOUT
-    ) -> aiohttp.ClientSession:
-        """An upstream's session, with a connector of its own; or, given another session's
-        `connector`, one that shares it without owning it (see _ws_session)."""
-        return aiohttp.ClientSession(
-            # Requests wait for a slot in UpstreamSlots, boundedly; the connector's own
-            # limit, the same, only ever queues WebSockets, which hold no slot.
-            connector=connector or aiohttp.TCPConnector(limit=self._connections, ttl_dns_cache=60),
-            connector_owner=connector is None,
-            auto_decompress=False,
-            cookie_jar=aiohttp.DummyCookieJar(),
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-            trust_env=False,
-            timeout=timeout,
-        )
 
     def reload(self, config: GatewayConfig) -> None:
         """Serve `config` from the next request on. A request in flight read the old plans
-        once, at its start, and finishes on them; the sessions of upstreams it may still
+        once, at its start, and finishes on them; the connections of upstreams it may still
         use stay open until no request begun before this reload is in flight."""
         plans = compile_plans(config, self._metrics, self._targets.update(config))
         self._generation += 1
-        for upstream in plans.upstreams:
-            self._retiring.pop(upstream, None)  # named again before its session closed: kept
-            if upstream not in self._sessions:
-                self._sessions[upstream] = self._session()
-                self._slots[upstream] = UpstreamSlots(self._connections)
+        for url in plans.upstreams:
+            self._retiring.pop(url, None)  # named again before it closed: kept
+            if url not in self._upstreams:
+                self._upstreams[url] = Upstream(url, self._connections, self._tls)
         kept = set(plans.upstreams)
-        for upstream in self._sessions:
-            if upstream not in kept:
-                self._retiring.setdefault(upstream, self._generation)
+        for url in self._upstreams:
+            if url not in kept:
+                self._retiring.setdefault(url, self._generation)
         self._plans = plans
         self._metrics.keep_targets(frozenset(t.name for t in plans.pool_targets))
         self._health.update(plans.pool_targets)
         self._close_retired()
 
     def _close_retired(self) -> None:
-        """Close the sessions of the upstreams dropped by a config that every request still in
-        flight began on (or after): no request can send to them any more."""
+        """Close the upstreams dropped by a config that every request still in flight began
+        on (or after): no request can send to them any more."""
         oldest = min(self._in_flight_by_generation, default=self._generation)
-        doomed = [upstream for upstream, generation in self._retiring.items() if generation <= oldest]
-        for upstream in doomed:
-            del self._retiring[upstream]
-            del self._slots[upstream]
-            sessions = [self._ws_sessions.pop(key) for key in [k for k in self._ws_sessions if k[0] == upstream]]
-            sessions.append(self._sessions.pop(upstream))  # last: it owns the WebSocket sessions' connector
-            task = asyncio.ensure_future(_close_sessions(sessions))
+        doomed = [url for url, generation in self._retiring.items() if generation <= oldest]
+        for url in doomed:
+            del self._retiring[url]
+            task = asyncio.ensure_future(self._upstreams.pop(url).close())
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
@@ -168,12 +138,9 @@ class ProxyHandler:
         await self._health.close()
         if self._closing:
             await asyncio.wait(self._closing)
-        for session in self._ws_sessions.values():
-            await session.close()  # leaves the connector, which its upstream's session closes
-        self._ws_sessions.clear()
-        for session in self._sessions.values():
-            await session.close()
-        self._sessions.clear()
+        for upstream in self._upstreams.values():
+            await upstream.close()
+        self._upstreams.clear()
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         """Every request on the public listener comes here, whatever its target."""
@@ -338,7 +305,8 @@ class ProxyHandler:
         headers["X-Request-ID"] = record.request_id
         if is_websocket_upgrade(request):
             # A WebSocket's end is its own close frame or connection, handled by its relay.
-            return await self._proxy_websocket(request, plan, rest, headers, limit_headers, record)
+            attempt = websocket_attempt(request, plan, rest, headers, limit_headers, record)
+            return await forward(plan, self._upstreams, attempt, limit_headers, record)
         # From here on, a client that hangs up cancels this task: the upstream request is
         # abandoned rather than finished for nobody (see gateway.bounded_protocol).
         request[CANCEL_ON_HANGUP] = asyncio.current_task()  # type: ignore[assignment]
@@ -356,74 +324,6 @@ class ProxyHandler:
         plan.client_closed().inc()
         return web.Response(status=CLIENT_CLOSED)
 
-    async def _proxy_websocket(
-        self,
-        request: web.BaseRequest,
-        plan: RoutePlan,
-        rest: str,
-        headers: CIMultiDict[str],
-        limit_headers: dict[str, str],
-        record: AccessRecord,
-    ) -> web.StreamResponse:
-        """A handshake goes to the target the balance picks and, after a connect failure, to
-        another, as far as upstream_pool.retry_allowed lets it, as an HTTP request does: nothing
-        was sent. Its connect failures and accepted handshakes count for passive ejection; the
-        frames that follow hold no upstream slot and count for nothing."""
-        ws_headers = {**limit_headers, "X-Request-ID": record.request_id}
-        timed_out = problem_response(504, plan.upstream_timeout, headers=limit_headers)
-        pool = plan.pool
-        if pool is None:
-            session = self._ws_session(plan.upstream, plan)
-            try:
-                return await proxy_websocket(
-                    request, session, URL(plan.upstream + rest, encoded=True), headers, ws_headers, timed_out,
-                    _handshake_answered(plan, record),
-                )
-            except WebSocketConnectFailed as exc:
-                log.warning("cannot open a WebSocket to upstream %s: %s", plan.upstream, exc.reason)
-                return exc.response
-        tried = 0  # bit i: target i was tried
-        failed: web.Response | None = None
-        while True:
-            index = _next_target(pool, plan, tried, failed, limit_headers)
-            if not isinstance(index, int):
-                return index
-            tried |= 1 << index
-            target = pool.targets[index]
-            record.upstream_target = target.name
-            target.requests.inc()
-            url = URL(target.url + rest, encoded=True)
-            try:
-                return await proxy_websocket(
-                    request, self._ws_session(target.url, plan), url, headers, ws_headers, timed_out,
-                    _handshake_answered(plan, record, target),
-                    opened=lambda: _count(target, Outcome.ANSWERED),
-                )
-            except WebSocketConnectFailed as exc:
-                _count(target, Outcome.CONNECT_FAILED)
-                log.warning("cannot open a WebSocket to upstream target %s: %s", target.name, exc.reason)
-                failed = exc.response
-            retries_used = tried.bit_count() - 1
-            if not retry_allowed(
-                Outcome.CONNECT_FAILED, retries_used=retries_used, retries=pool.retries, remaining=None
-            ):
-                return failed
-
-    def _ws_session(self, upstream: str, plan: RoutePlan) -> aiohttp.ClientSession:
-        """A session for WebSocket handshakes to `upstream` on the upstream's connector, with
-        the route's connect and read timeouts as its own: ws_connect takes no ClientTimeout,
-        and the upstream's session has none, so a handshake to a host that never answered
-        waited for the kernel to give up (about 2 minutes) whatever timeout.connect said.
-        aiohttp lifts the read timeout once the handshake is done."""
-        key = (upstream, plan.timeout.sock_connect, plan.timeout.sock_read)
-        session = self._ws_sessions.get(key)
-        if session is None:
-            session = self._ws_sessions[key] = self._session(
-                self._sessions[upstream].connector,
-                aiohttp.ClientTimeout(total=None, sock_connect=key[1], sock_read=key[2]),
-            )
-        return session
-
     async def _proxy(
         self,
         request: web.BaseRequest,
@@ -434,7 +334,6 @@ class ProxyHandler:
         record: AccessRecord,
     ) -> web.StreamResponse:
         """An HTTP request (not a WebSocket handshake): its body, then the upstream or pool."""
-        pool = plan.pool
         body: _Body = request.content if request.body_exists else None
         try:
             if _awaiting_continue(request):
@@ -454,17 +353,16 @@ class ProxyHandler:
             return exc.response()  # client_body_timeout
         except ConnectionError:
             return self._client_closed(plan)  # the connection closed before the request body ended
-        if pool is not None:
-            return await self._forward_pool(request, plan, pool, rest, headers, limit_headers, body, record)
-        url = URL(plan.upstream + rest, encoded=True)
-        slots = self._slots[plan.upstream]
-        if not slots.try_take() and not await slots.take(plan.queue_timeout):
-            plan.unavailable(QUEUE_FULL).inc()
-            return problem_response(503, plan.queue_full, headers={**limit_headers, **_RETRY_AFTER_ONE})
-        try:
-            return await self._forward(request, plan, url, headers, limit_headers, body, record)
-        finally:
-            slots.give_back()
+        if isinstance(body, aiohttp.StreamReader):
+            length = request.content_length
+            body = body.read_nowait() if body.is_eof() else body.iter_chunked(STREAM_CHUNK_BYTES)
+        elif isinstance(body, bytes):
+            length = len(body)  # read whole: sent with its length, whatever its framing was
+        else:
+            length = request.content_length
+        host = request.headers.get("Host") if plan.preserve_host else None
+        attempt = http_attempt(request, plan, rest, headers, host, body, length, limit_headers, record)
+        return await forward(plan, self._upstreams, attempt, limit_headers, record)
 
     async def _decide(
         self, request: web.BaseRequest, plan: RoutePlan, identity: ClientIdentity, record: AccessRecord, shaping: bool
@@ -492,240 +390,6 @@ class ProxyHandler:
         for lp, status in zip(plan.limits, decision.statuses):
             lp.decisions(status.outcome).inc()
         return decision
-
-    async def _forward_pool(
-        self,
-        request: web.BaseRequest,
-        plan: RoutePlan,
-        pool: PoolPlan,
-        rest: str,
-        headers: CIMultiDict[str],
-        limit_headers: dict[str, str],
-        body: _Body,
-        record: AccessRecord,
-    ) -> web.StreamResponse:
-        """Send the request to the target the pool's balancer picks; after a connect failure,
-        to another, as far as upstream_pool.retry_allowed lets it. The limiter decided once,
-        before: a retry charges the client nothing."""
-        started = time.monotonic()
-        tried = 0  # bit i: target i was tried
-        timeout = plan.timeout
-        failed: web.StreamResponse | None = None  # the 502 or 504 of the last connect failure
-        while True:
-            index = _next_target(pool, plan, tried, failed, limit_headers)
-            if not isinstance(index, int):
-                return index
-            tried |= 1 << index
-            target = pool.targets[index]
-            record.upstream_target = target.name
-            slots = self._slots[target.url]
-            if not slots.try_take() and not await slots.take(plan.queue_timeout):
-                plan.unavailable(QUEUE_FULL).inc()
-                return problem_response(503, plan.queue_full, headers={**limit_headers, **_RETRY_AFTER_ONE})
-            target.requests.inc()
-            target.state.in_flight += 1
-            try:
-                url = URL(target.url + rest, encoded=True)
-                return await self._forward(request, plan, url, headers, limit_headers, body, record, target, timeout)
-            except _ConnectFailed as exc:
-                failed = exc.response
-            finally:
-                target.state.in_flight -= 1
-                slots.give_back()
-            retries_used = tried.bit_count() - 1
-            remaining = None if plan.total_timeout is None else plan.total_timeout - (time.monotonic() - started)
-            if not retry_allowed(
-                Outcome.CONNECT_FAILED, retries_used=retries_used, retries=pool.retries, remaining=remaining
-            ):
-                return failed
-            if remaining is not None:
-                timeout = aiohttp.ClientTimeout(
-                    total=remaining, sock_connect=plan.timeout.sock_connect, sock_read=plan.timeout.sock_read
-                )
-
-    async def _forward(
-        self,
-        request: web.BaseRequest,
-        plan: RoutePlan,
-        url: URL,
-        headers: CIMultiDict[str],
-        limit_headers: dict[str, str],
-        body: _Body,
-        record: AccessRecord,
-        target: TargetPlan | None = None,
-        timeout: aiohttp.ClientTimeout | None = None,
-    ) -> web.StreamResponse:
-        """Send one attempt and relay its answer. `target`: the pool target it goes to, whose
-        outcome is counted; a connect failure then raises _ConnectFailed with its 502 or 504."""
-        session = self._sessions[plan.upstream if target is None else target.url]
-        sent = time.perf_counter()
-        try:
-            async with session.request(
-                request.method,
-                url,
-                headers=headers,
-                data=body,
-                allow_redirects=False,
-                timeout=timeout or plan.timeout,
-                compress=None,
-            ) as upstream:
-                latency = time.perf_counter() - sent
-                plan.upstream_latency().observe(latency)
-                if target is not None:
-                    target.latency.observe(latency)
-                # One outcome per attempt, counted once its relay has ended: a response cut off
-                # mid-body is a failure, not an answer and then a failure, which reset the
-                # count each time and kept a target that cuts every response from being ejected.
-                outcome = Outcome.SERVER_ERROR if upstream.status >= 500 else Outcome.ANSWERED
-                try:
-                    record.upstream_status, record.upstream_ms = upstream.status, round(latency * 1000, 3)
-                    if hdrs.TRANSFER_ENCODING in upstream.headers and unrelayable_coding(upstream.headers):
-                        # aiohttp removed the chunked framing only: relayed, the body reached the
-                        # client still gzipped (say) and labelled as nothing (gateway.proxy.headers).
-                        outcome = Outcome.FAILED
-                        log.warning(
-                            "upstream %s sent a transfer coding other than chunked",
-                            plan.upstream if target is None else target.name,
-                        )
-                        upstream.close()  # its body is never read: the connection is not reused
-                        return problem(502, "Bad Gateway", "The upstream failed.", headers=limit_headers)
-                    # A small upstream answer usually arrives in one read, body and end included.
-                    arrived = upstream.content.is_eof()
-                    response = (_ArrivedResponse if arrived else _RelayedResponse)(
-                        status=upstream.status, reason=upstream.reason
-                    )
-                    response.headers.extend(end_to_end(upstream.headers))
-                    plan.locations.apply(response.headers, headers)
-                    if plan.response_headers is not None:
-                        rewrite_headers(response.headers, plan.response_headers)
-                    response.headers.update(limit_headers)
-                    response.headers["X-Request-ID"] = record.request_id
-                    if request.version == HttpVersion10 and hdrs.CONTENT_LENGTH not in response.headers:
-                        # To HTTP/1.0 such a body ends with the connection, and aiohttp kept the
-                        # connection of a keep-alive client: it waited out keepalive_timeout.
-                        response.force_close()
-                    await response.prepare(request)
-                    try:
-                        if arrived:
-                            await response.write_eof(await upstream.content.read())
-                            return response
-                        async for chunk in upstream.content.iter_chunked(STREAM_CHUNK_BYTES):
-                            await response.write(chunk)
-                    except ConnectionResetError:
-                        return response  # the client went away; closing the upstream response frees it
-                    except asyncio.CancelledError:
-                        if not hung_up(request):
-                            raise
-                        # The client went away mid-response: its status was sent, and is what is logged.
-                        asyncio.current_task().uncancel()  # type: ignore[union-attr]
-                        return response
-                    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                        # The status line is gone; all that is left is to cut the connection.
-                        outcome = Outcome.FAILED
-                        log.warning(
-                            "upstream %s failed mid-response: %s",
-                            plan.upstream if target is None else target.name, exc or type(exc).__name__,
-                        )
-                        if request.transport is not None:
-                            request.transport.close()
-                        return response
-                    await response.write_eof()
-                    return response
-                finally:
-                    if target is not None:
-                        _count(target, outcome)
-        # Every response on a limited route carries the RateLimit fields, errors included.
-        except asyncio.TimeoutError as exc:
-            stalled = request.content.exception()
-            if isinstance(stalled, ClientLimitExceeded):
-                return stalled.response()
-            timed_out = problem_response(504, plan.upstream_timeout, headers=limit_headers)
-            if target is None:
-                return timed_out
-            if isinstance(exc, aiohttp.ConnectionTimeoutError):
-                _count(target, Outcome.CONNECT_FAILED)
-                log.warning("cannot connect to upstream target %s: timed out", target.name)
-                raise _ConnectFailed(timed_out) from None
-            _count(target, Outcome.TIMEOUT)
-            return timed_out
-        # The client learns what failed, never where: the upstream's address stays in the log.
-        except aiohttp.ClientConnectorError as exc:
-            where = plan.upstream if target is None else f"target {target.name}"
-            log.warning("cannot connect to upstream %s: %s", where, exc.os_error.strerror or exc)
-            refused = problem(502, "Bad Gateway", "Cannot connect to the upstream.", headers=limit_headers)
-            if target is None:
-                return refused
-            _count(target, Outcome.CONNECT_FAILED)
-            raise _ConnectFailed(refused) from None
-        except aiohttp.ClientError as exc:
-            stalled = request.content.exception()
-            if isinstance(stalled, ClientLimitExceeded):
-                return stalled.response()  # the client's body stalled (client_body_timeout), not the upstream
-            if target is not None:
-                _count(target, Outcome.FAILED)
-            where = plan.upstream if target is None else f"target {target.name}"
-            log.warning("upstream %s failed: %s: %s", where, type(exc).__name__, exc)
-            return problem(502, "Bad Gateway", "The upstream failed.", headers=limit_headers)
-
-
-class _ConnectFailed(Exception):
-    """A pool attempt that could not connect: nothing was sent, so another target may take
-    the request. `response` is the client's answer if none does."""
-
-    def __init__(self, response: web.Response) -> None:
-        super().__init__()
-        self.response = response
-
-
-def _handshake_answered(
-    plan: RoutePlan, record: AccessRecord, target: TargetPlan | None = None
-) -> Callable[[int, float], None]:
-    """What a WebSocket handshake's upstream answer records, as an HTTP response's does:
-    the access line's upstream_status and upstream_ms, and the upstream latencies."""
-
-    def answered(status: int, latency: float) -> None:
-        plan.upstream_latency().observe(latency)
-        if target is not None:
-            target.latency.observe(latency)
-        record.upstream_status, record.upstream_ms = status, round(latency * 1000, 3)
-
-    return answered
-
-
-def _count(target: TargetPlan, outcome: Outcome) -> None:
-    """Count one attempt's outcome on a pool target: its metrics and its passive ejection."""
-    if outcome is not Outcome.ANSWERED:
-        target.errors(outcome.value).inc()
-    if target.state.answered(outcome, time.monotonic()):
-        target.ejections.inc()
-        passive = target.state.passive
-        assert passive is not None  # only a target with passive ejection is ejected
-        log.warning(
-            "upstream target %s is out of rotation for %g s after %d consecutive failures",
-            target.name, passive.eject_for, passive.eject_after,
-        )
-
-
-class _RelayedResponse(web.StreamResponse):
-    """An upstream's response, relayed with no Content-Type where the upstream sent none.
-    aiohttp gives any response with content one of application/octet-stream, which tells a
-    browser to download what it would otherwise have sniffed and shown (RFC 9110 §8.3 leaves
-    that to the recipient); nginx and Envoy add none either."""
-
-    async def _prepare_headers(self) -> None:  # aiohttp's, run as the response starts
-        typed = hdrs.CONTENT_TYPE in self.headers
-        await super()._prepare_headers()
-        if not typed:
-            self.headers.popall(hdrs.CONTENT_TYPE, None)
-
-
-class _ArrivedResponse(_RelayedResponse):
-    """For an upstream response whose body has already arrived whole: its status line and
-    headers wait for that body and leave with it in one write, as aiohttp's own Response
-    does, instead of a write each. The client waits for nothing, since nothing is left to
-    wait for; a body still arriving streams through StreamResponse, headers first."""
-
-    _send_headers_immediately = False  # aiohttp's switch, False in its Response class
 
 
 def _expectation(request: web.BaseRequest) -> web.Response | None:
@@ -756,27 +420,6 @@ async def _continue(request: web.BaseRequest) -> None:
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the interim response is not part of the response's size
     await request.writer.drain()
-
-
-def _next_target(
-    pool: PoolPlan, plan: RoutePlan, tried: int, failed: web.StreamResponse | None, limit_headers: dict[str, str]
-) -> int | web.StreamResponse:
-    """The index of the target for the next attempt (a retry counted as one), or, with none
-    left, the answer: the last attempt's failure, else 503 for want of a target."""
-    index = pool.balancer.choose(time.monotonic(), tried)
-    if index is not None:
-        if tried:
-            plan.retried.inc()
-        return index
-    if failed is not None:
-        return failed
-    plan.unavailable(NO_TARGET).inc()
-    return problem_response(503, pool.no_target, headers={**limit_headers, **_RETRY_AFTER_ONE})
-
-
-async def _close_sessions(sessions: list[aiohttp.ClientSession]) -> None:
-    for session in sessions:
-        await session.close()
 
 
 def _body_too_large(plan: RoutePlan, headers: dict[str, str] | None = None) -> web.Response:
@@ -865,8 +508,9 @@ def _forward_headers(request: web.BaseRequest, plan: RoutePlan, plans: Plans) ->
     # then waited out its timeout for a 504. nginx clears it too (proxy_set_header Expect "").
     headers.popall("Expect", None)
     original_host = request.headers.get("Host", "")
-    if not plan.preserve_host:
-        headers.popall("Host", None)
+    # The upstream client writes Host (the client's, with preserve_host) and the body's framing.
+    headers.popall("Host", None)
+    headers.popall("Content-Length", None)
     drop_cgi_aliases(headers, plan.cgi_written)
     if plan.request_headers is not None:
         rewrite_headers(headers, plan.request_headers)

@@ -20,8 +20,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
 from gateway.access_log import PROCESS_LOG_SECRET
 from gateway.config.model import (
     ConcurrencyLimit,
@@ -32,6 +30,7 @@ from gateway.config.model import (
     Limit,
     Match,
     PathNormalization,
+    Balance,
     Route,
     UpstreamPool,
 )
@@ -89,12 +88,33 @@ class PrefixStrip:
         return "/" + parts[-1] if len(parts) > self.segments + 1 else "/"
 
 
+class _Uncounted:
+    """The metric children of a route's single upstream, which has no target series."""
+
+    __slots__ = ()
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def observe(self, amount: float) -> None:
+        pass
+
+    def __call__(self, *values: str) -> _Uncounted:
+        return self
+
+
+UNCOUNTED = _Uncounted()
+
+
 @dataclass(frozen=True, slots=True)
 class TargetPlan:
-    """One target of a pool: its shared state and its metric children."""
+    """One target of a pool (a route's single upstream is a pool of one): its shared state
+    and its metric children."""
 
     url: str  # base URL, without a trailing slash
     name: str  # its label in metrics and logs
+    label: str | None  # in the access log's upstream_target: None for a single upstream
+    where: str  # the target as the log names it
     state: TargetState
     requests: Any  # gateway_upstream_target_requests_total child
     latency: Any  # gateway_upstream_target_latency_seconds child
@@ -124,7 +144,8 @@ class RoutePlan:
     locations: LocationRewrite  # the upstream's own address in Location and Content-Location
     preserve_host: bool
     allow_path_parameters: bool
-    timeout: aiohttp.ClientTimeout
+    connect_timeout: float
+    read_timeout: float
     limits: tuple[LimitPlan, ...]
     shadowed: bool  # some of the limits are shadow limits, which never reject
     shaping: bool  # some of the limits may delay a request (mode: delay) rather than reject it
@@ -142,9 +163,9 @@ class RoutePlan:
     unavailable: Children  # gateway_upstream_unavailable_total for this route, by reason (NO_TARGET, QUEUE_FULL)
     concurrency: tuple[ConcurrencyPlan, ...]  # taken after `limits` allow, in order
     concurrency_identity: RouteIdentity  # what the concurrency limits read
-    pool: PoolPlan | None = None
-    total_timeout: float | None = None  # timeout.total: the whole exchange, retries included
-    retried: Any = None  # gateway_upstream_retries_total child, for a pool
+    pool: PoolPlan  # a single upstream is a pool of one target, without ejection
+    total_timeout: float | None  # timeout.total: the whole exchange, retries included
+    retried: Any  # gateway_upstream_retries_total child
     # (status, limit names, the store failed) -> problem body; one per status and subset of `limits` at most
     _rejections: dict[tuple[int, tuple[str, ...], bool], ProblemTemplate] = field(default_factory=dict, repr=False)
 
@@ -203,7 +224,7 @@ def compile_plans(config: GatewayConfig, metrics: Metrics, states: Mapping[str, 
         identity=ClientIdentity(config.trusted_proxies, config.jwt, config.client_ip),
         replace_forwarded=config.forwarded_headers is ForwardedHeaders.REPLACE,
         unmatched=Children(metrics.requests, ("method", "status_class"), route=UNMATCHED_ROUTE),
-        upstreams=tuple(sorted({plan.upstream for plan in routes if plan.pool is None} | targets.keys())),
+        upstreams=tuple(sorted({target.url for plan in routes for target in plan.pool.targets})),
         pool_targets=tuple(targets.values()),
         max_in_flight=config.max_in_flight,
         max_delayed=config.max_delayed,
@@ -224,6 +245,8 @@ def _pool_plan(
             plan = targets[target.url] = TargetPlan(
                 url=target.url,
                 name=target.name,
+                label=target.name,
+                where=f"target {target.name}",
                 state=states[target.url],
                 requests=metrics.target_requests.labels(target=target.name),
                 latency=metrics.target_latency.labels(target=target.name),
@@ -239,6 +262,21 @@ def _pool_plan(
     )
 
 
+def _single_pool(url: str) -> PoolPlan:
+    """A route's one upstream as a pool of one target, never ejected, counted in no target series."""
+    state = TargetState(None, None)
+    target = TargetPlan(
+        url=url, name=url, label=None, where=url, state=state,
+        requests=UNCOUNTED, latency=UNCOUNTED, errors=UNCOUNTED, ejections=UNCOUNTED,  # type: ignore[arg-type]
+    )
+    return PoolPlan(
+        targets=(target,),
+        balancer=Balancer([state], [1], Balance.ROUND_ROBIN),
+        retries=0,
+        no_target=b"",  # never answered: a target without ejection or health checks stays in rotation
+    )
+
+
 def _cgi_written(rules: HeaderRules) -> frozenset[str]:
     """The CGI names of the request headers the gateway removes or writes, each of which a
     client could otherwise send spelt with `_` for a WSGI upstream to read as the real one."""
@@ -251,7 +289,7 @@ def _route_plan(
 ) -> RoutePlan:
     label = route.label  # the route in metrics, formed once for all its children
     timeout = route.timeout
-    pool = pools[route.upstream] if isinstance(route.upstream, UpstreamPool) else None
+    pool = pools[route.upstream] if isinstance(route.upstream, UpstreamPool) else _single_pool(route.upstream)
     stripped = route.strip_prefix and route.match.path != "/"  # strip_prefix is only taken on prefix routes
     # A pool's targets are each the upstream's own address, for the Location rewrite.
     addresses = [t.url for t in route.upstream.targets] if isinstance(route.upstream, UpstreamPool) else [route.upstream]
@@ -266,7 +304,8 @@ def _route_plan(
         locations=LocationRewrite.of(addresses, route.match.path if stripped else None),
         preserve_host=route.preserve_host,
         allow_path_parameters=route.allow_path_parameters,
-        timeout=aiohttp.ClientTimeout(total=timeout.total, sock_connect=timeout.connect, sock_read=timeout.read),
+        connect_timeout=timeout.connect,
+        read_timeout=timeout.read,
         limits=tuple(
             LimitPlan(
                 limit=rl.limit,
@@ -312,7 +351,7 @@ def _route_plan(
         unavailable=Children(metrics.upstream_unavailable, ("reason",), route=label),
         pool=pool,
         total_timeout=timeout.total,
-        retried=metrics.retries.labels(route=label) if pool is not None else None,
+        retried=metrics.retries.labels(route=label) if isinstance(route.upstream, UpstreamPool) else UNCOUNTED,
         concurrency=tuple(_concurrency_plan(limit, label, metrics) for limit in route.concurrency),
         concurrency_identity=RouteIdentity.of([IdentityKey.of(limit.key) for limit in route.concurrency], route.match.path),
     )

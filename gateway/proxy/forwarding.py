@@ -1,0 +1,328 @@
+"""Sending an admitted request upstream: the one attempt loop every route goes through.
+
+A route with one `upstream` is a pool of one target without ejection, so HTTP
+requests and WebSocket handshakes alike go through `forward`: the target the
+balancer picks takes a slot of its upstream (`UpstreamSlots`, a wait bounded by
+`timeout.queue`, else 503), the attempt is sent, its outcome is counted for the
+target, and a connect failure goes to another target as far as
+`upstream_pool.retry_allowed` lets it; none left in rotation is the other 503.
+A slot is held until the response has been passed on, or for a WebSocket until
+it closes, so neither kind of traffic can take every connection from the other
+without the other getting its bounded answer.
+
+The upstream client's errors are translated here: a refused upstream is 502, a
+slow one 504, a broken one 502. The client learns what failed, never where: the
+upstream's address stays in the log. Trusts the plans compiled from the config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import AsyncIterable, Awaitable, Callable
+
+import aiohttp
+from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion10
+from multidict import CIMultiDict
+from yarl import URL
+
+from gateway.access_log import AccessRecord
+from gateway.bounded_protocol import ClientLimitExceeded, hung_up
+from gateway.metrics import NO_TARGET, QUEUE_FULL
+from gateway.proxy.header_rewrite import rewrite_headers
+from gateway.proxy.headers import end_to_end
+from gateway.proxy.problem import problem, problem_response
+from gateway.proxy.route_plan import PoolPlan, RoutePlan, TargetPlan
+from gateway.proxy.upstream_client import ConnectFailed, UpstreamClient, UpstreamError, UpstreamTimeout
+from gateway.proxy.upstream_pool import Outcome, retry_allowed
+from gateway.proxy.upstream_slots import UpstreamSlots
+from gateway.proxy.websocket import WebSocketConnectFailed, proxy_websocket
+
+log = logging.getLogger(__name__)
+
+# A request body as the client sends it: none, whole, or chunks as they arrive.
+Body = bytes | AsyncIterable[bytes] | None
+_RETRY_AFTER_ONE = {"Retry-After": "1"}  # shared safely: a Response copies the headers it is given
+
+
+class Upstream:
+    """What one upstream base URL has in this process: its slots, its keep-alive HTTP/1.1
+    connections, and the aiohttp sessions its WebSocket handshakes go out on."""
+
+    def __init__(self, url: str, connections: int, tls: ssl.SSLContext) -> None:
+        self.url = url
+        self.slots = UpstreamSlots(connections)
+        self.client = UpstreamClient(url, tls)
+        # By (connect timeout, read timeout): ws_connect takes no ClientTimeout, so each
+        # route's timeouts need a session of their own to bound the handshake.
+        self._ws_sessions: dict[tuple[float, float], aiohttp.ClientSession] = {}
+
+    def ws_session(self, plan: RoutePlan) -> aiohttp.ClientSession:
+        key = (plan.connect_timeout, plan.read_timeout)
+        session = self._ws_sessions.get(key)
+        if session is None:
+            session = self._ws_sessions[key] = aiohttp.ClientSession(
+                # Slots bound the connections; aiohttp lifts the read timeout once upgraded.
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60),
+                auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+                trust_env=False,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=key[0], sock_read=key[1]),
+            )
+        return session
+
+    async def close(self) -> None:
+        self.client.close()
+        sessions = list(self._ws_sessions.values())
+        self._ws_sessions.clear()
+        for session in sessions:
+            await session.close()
+
+
+# One attempt on one target: its answer, or _ConnectFailed when nothing was sent.
+Attempt = Callable[[TargetPlan, Upstream, float | None], Awaitable[web.StreamResponse]]
+
+
+async def forward(
+    plan: RoutePlan,
+    upstreams: dict[str, Upstream],
+    attempt: Attempt,
+    limit_headers: dict[str, str],
+    record: AccessRecord,
+) -> web.StreamResponse:
+    """Run `attempt` on the target the balancer picks and, after a connect failure, on
+    another. The limiter decided once, before: a retry charges the client nothing."""
+    pool = plan.pool
+    started = time.monotonic()
+    tried = 0  # bit i: target i was tried
+    remaining = plan.total_timeout
+    failed: web.StreamResponse | None = None  # the 502 or 504 of the last connect failure
+    while True:
+        index = _next_target(pool, plan, tried, failed, limit_headers)
+        if not isinstance(index, int):
+            return index
+        tried |= 1 << index
+        target = pool.targets[index]
+        record.upstream_target = target.label
+        upstream = upstreams[target.url]
+        slots = upstream.slots
+        if not slots.try_take() and not await slots.take(plan.queue_timeout):
+            plan.unavailable(QUEUE_FULL).inc()
+            return problem_response(503, plan.queue_full, headers={**limit_headers, **_RETRY_AFTER_ONE})
+        target.requests.inc()
+        target.state.in_flight += 1
+        try:
+            return await attempt(target, upstream, remaining)
+        except _ConnectFailed as exc:
+            failed = exc.response
+        finally:
+            target.state.in_flight -= 1
+            slots.give_back()
+        if plan.total_timeout is not None:
+            remaining = plan.total_timeout - (time.monotonic() - started)
+        if not retry_allowed(Outcome.CONNECT_FAILED, retries_used=tried.bit_count() - 1, retries=pool.retries, remaining=remaining):
+            return failed
+
+
+def http_attempt(
+    request: web.BaseRequest,
+    plan: RoutePlan,
+    rest: str,
+    headers: CIMultiDict[str],
+    host: str | None,
+    body: Body,
+    length: int | None,
+    limit_headers: dict[str, str],
+    record: AccessRecord,
+) -> Attempt:
+    """An HTTP request's attempt: send it, and relay the answer as it streams."""
+
+    async def attempt(target: TargetPlan, upstream: Upstream, remaining: float | None) -> web.StreamResponse:
+        if remaining is None:
+            return await _exchange(request, plan, target, upstream.client, rest, headers, host, body, length, limit_headers, record)
+        try:
+            async with asyncio.timeout(remaining):  # timeout.total: the whole exchange, body included
+                return await _exchange(request, plan, target, upstream.client, rest, headers, host, body, length, limit_headers, record)
+        except TimeoutError:
+            _count(target, Outcome.TIMEOUT)
+            return problem_response(504, plan.upstream_timeout, headers=limit_headers)
+
+    return attempt
+
+
+def websocket_attempt(
+    request: web.BaseRequest, plan: RoutePlan, rest: str, headers: CIMultiDict[str], limit_headers: dict[str, str], record: AccessRecord
+) -> Attempt:
+    """A WebSocket handshake's attempt, and then its frames both ways on aiohttp's client.
+    Its connect failures and accepted handshakes count for passive ejection; the frames
+    that follow count for nothing."""
+    ws_headers = {**limit_headers, "X-Request-ID": record.request_id}
+    timed_out = problem_response(504, plan.upstream_timeout, headers=limit_headers)
+
+    async def attempt(target: TargetPlan, upstream: Upstream, remaining: float | None) -> web.StreamResponse:
+        def answered(status: int, latency: float) -> None:
+            plan.upstream_latency().observe(latency)
+            target.latency.observe(latency)
+            record.upstream_status, record.upstream_ms = status, round(latency * 1000, 3)
+
+        try:
+            return await proxy_websocket(
+                request, upstream.ws_session(plan), URL(target.url + rest, encoded=True), headers, ws_headers,
+                timed_out, answered, opened=lambda: _count(target, Outcome.ANSWERED),
+            )
+        except WebSocketConnectFailed as exc:
+            _count(target, Outcome.CONNECT_FAILED)
+            log.warning("cannot open a WebSocket to upstream %s: %s", target.where, exc.reason)
+            raise _ConnectFailed(exc.response) from None
+
+    return attempt
+
+
+async def _exchange(
+    request: web.BaseRequest,
+    plan: RoutePlan,
+    target: TargetPlan,
+    client: UpstreamClient,
+    rest: str,
+    headers: CIMultiDict[str],
+    host: str | None,
+    body: Body,
+    length: int | None,
+    limit_headers: dict[str, str],
+    record: AccessRecord,
+) -> web.StreamResponse:
+    sent = time.perf_counter()
+    try:
+        upstream = await client.request(
+            request.method, rest, headers, body, length=length, host=host,
+            connect_timeout=plan.connect_timeout, read_timeout=plan.read_timeout,
+        )
+    except ConnectFailed as exc:
+        _count(target, Outcome.CONNECT_FAILED)
+        log.warning("cannot connect to upstream %s: %s", target.where, exc)
+        if exc.timed_out:
+            raise _ConnectFailed(problem_response(504, plan.upstream_timeout, headers=limit_headers)) from None
+        raise _ConnectFailed(problem(502, "Bad Gateway", "Cannot connect to the upstream.", headers=limit_headers)) from None
+    except UpstreamTimeout:
+        _count(target, Outcome.TIMEOUT)
+        return problem_response(504, plan.upstream_timeout, headers=limit_headers)
+    except UpstreamError as exc:
+        stalled = request.content.exception()
+        if isinstance(stalled, ClientLimitExceeded):
+            return stalled.response()  # the client's body stalled (client_body_timeout), not the upstream
+        _count(target, Outcome.FAILED)
+        log.warning("upstream %s failed: %s", target.where, exc)
+        return problem(502, "Bad Gateway", "The upstream failed.", headers=limit_headers)
+    latency = time.perf_counter() - sent
+    plan.upstream_latency().observe(latency)
+    target.latency.observe(latency)
+    # One outcome per attempt, counted once its relay has ended: a response cut off mid-body
+    # is a failure, not an answer and then a failure, which would reset the count each time
+    # and keep a target that cuts every response from being ejected.
+    outcome = Outcome.SERVER_ERROR if upstream.status >= 500 else Outcome.ANSWERED
+    try:
+        record.upstream_status, record.upstream_ms = upstream.status, round(latency * 1000, 3)
+        arrived = upstream.arrived
+        response = (_ArrivedResponse if arrived else _RelayedResponse)(status=upstream.status, reason=upstream.reason)
+        response.headers.extend(end_to_end(upstream.headers))
+        plan.locations.apply(response.headers, headers)
+        if plan.response_headers is not None:
+            rewrite_headers(response.headers, plan.response_headers)
+        response.headers.update(limit_headers)
+        response.headers["X-Request-ID"] = record.request_id
+        if request.version == HttpVersion10 and hdrs.CONTENT_LENGTH not in response.headers:
+            # To HTTP/1.0 such a body ends with the connection, and aiohttp kept the
+            # connection of a keep-alive client: it waited out keepalive_timeout.
+            response.force_close()
+        await response.prepare(request)
+        try:
+            if arrived:
+                await response.write_eof(upstream.take())
+                return response
+            while chunk := await upstream.read():
+                await response.write(chunk)
+        except ConnectionResetError:
+            return response  # the client went away; the unfinished upstream connection is closed
+        except asyncio.CancelledError:
+            if not hung_up(request):
+                raise
+            # The client went away mid-response: its status was sent, and is what is logged.
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            return response
+        except UpstreamError as exc:
+            # The status line is gone; all that is left is to cut the connection.
+            outcome = Outcome.FAILED
+            log.warning("upstream %s failed mid-response: %s", target.where, exc or type(exc).__name__)
+            if request.transport is not None:
+                request.transport.close()
+            return response
+        await response.write_eof()
+        return response
+    finally:
+        client.release(upstream)
+        _count(target, outcome)
+
+
+class _ConnectFailed(Exception):
+    """An attempt that could not connect: nothing was sent, so another target may take
+    the request. `response` is the client's answer if none does."""
+
+    def __init__(self, response: web.Response) -> None:
+        super().__init__()
+        self.response = response
+
+
+def _count(target: TargetPlan, outcome: Outcome) -> None:
+    """Count one attempt's outcome on a target: its metrics and its passive ejection."""
+    if outcome is not Outcome.ANSWERED:
+        target.errors(outcome.value).inc()
+    if target.state.answered(outcome, time.monotonic()):
+        target.ejections.inc()
+        passive = target.state.passive
+        assert passive is not None  # only a target with passive ejection is ejected
+        log.warning(
+            "upstream target %s is out of rotation for %g s after %d consecutive failures",
+            target.name, passive.eject_for, passive.eject_after,
+        )
+
+
+def _next_target(
+    pool: PoolPlan, plan: RoutePlan, tried: int, failed: web.StreamResponse | None, limit_headers: dict[str, str]
+) -> int | web.StreamResponse:
+    """The index of the target for the next attempt (a retry counted as one), or, with none
+    left, the answer: the last attempt's failure, else 503 for want of a target."""
+    index = pool.balancer.choose(time.monotonic(), tried)
+    if index is not None:
+        if tried:
+            plan.retried.inc()
+        return index
+    if failed is not None:
+        return failed
+    plan.unavailable(NO_TARGET).inc()
+    return problem_response(503, pool.no_target, headers={**limit_headers, **_RETRY_AFTER_ONE})
+
+
+class _RelayedResponse(web.StreamResponse):
+    """An upstream's response, relayed with no Content-Type where the upstream sent none.
+    aiohttp gives any response with content one of application/octet-stream, which tells a
+    browser to download what it would otherwise have sniffed and shown (RFC 9110 §8.3 leaves
+    that to the recipient); nginx and Envoy add none either."""
+
+    async def _prepare_headers(self) -> None:  # aiohttp's, run as the response starts
+        typed = hdrs.CONTENT_TYPE in self.headers
+        await super()._prepare_headers()
+        if not typed:
+            self.headers.popall(hdrs.CONTENT_TYPE, None)
+
+
+class _ArrivedResponse(_RelayedResponse):
+    """For an upstream response whose body has already arrived whole: its status line and
+    headers wait for that body and leave with it in one write, as aiohttp's own Response
+    does, instead of a write each. The client waits for nothing, since nothing is left to
+    wait for; a body still arriving streams through StreamResponse, headers first."""
+
+    _send_headers_immediately = False  # aiohttp's switch, False in its Response class
