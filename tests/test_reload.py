@@ -14,6 +14,7 @@ from pathlib import Path
 import aiohttp
 
 from gateway.config import load_config
+from gateway.proxy.upstream_client import UpstreamClient
 from gateway.testing import running_gateway
 from tests.processes import GatewayProcess, RedisServer, eventually, free_port
 from tests.test_cli import DEADLINE, metric
@@ -351,7 +352,8 @@ def test_store_required_refuses_to_start_while_the_store_is_unreachable(tmp_path
 
 
 def open_client_sessions() -> int:
-    return sum(isinstance(o, aiohttp.ClientSession) and not o.closed for o in gc.get_objects())
+    """The gateway's upstream clients still open, one per upstream it may send to."""
+    return sum(isinstance(o, UpstreamClient) and not o.closed for o in gc.get_objects())
 
 
 def changing_pool_yaml(kept: str, i: int, held: str | None = None) -> str:

@@ -179,6 +179,10 @@ class UpstreamClient:
         else:
             connection.close()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """Close every idle connection; those in use close as they are released."""
         self._closed = True
