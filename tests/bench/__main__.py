@@ -2,9 +2,10 @@
 
 Installs what is missing, starts a private redis-server, an nginx upstream and
 every variant as real processes, measures throughput (wrk), latency at a fixed
-rate (httperf and an open-loop client) and store checks per second, stops
-everything it started (also on Ctrl-C or SIGTERM), and prints a markdown report
-on stdout; progress goes to stderr.
+rate (httperf and an open-loop client), store checks per second and the
+gateway's RSS while 1 GiB streams each way, stops everything it started (also
+on Ctrl-C or SIGTERM), and prints a markdown report on stdout; progress goes to
+stderr.
 
     .venv/bin/python -m tests.bench [--rounds 5] [--duration 4] [--connections 50] [--quick]
 """
@@ -26,6 +27,7 @@ from tests.bench.latency import measure_latency
 from tests.bench.report import Results, Settings, median_rate, render
 from tests.bench.servers import make_private_dir, nginx_upstream, started
 from tests.bench.store_checks import contender_titles, measure_store_checks
+from tests.bench.streaming import GIB, QUICK_BYTES, measure_streaming
 from tests.bench.throughput import LoadSettings, measure_throughput
 from tests.bench.variants import VARIANTS, Environment
 from tests.processes import RedisServer
@@ -49,10 +51,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--connections", type=int, default=DEFAULT_CONNECTIONS, help="wrk connections (default %(default)s)"
     )
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="wrk threads (default %(default)s)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 1 round of 1 s")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 1 round of 1 s, 64 MiB streamed each way")
     args = parser.parse_args(argv)
+    args.stream_bytes = GIB
     if args.quick:
-        args.rounds, args.duration = 1, 1
+        args.rounds, args.duration, args.stream_bytes = 1, 1, QUICK_BYTES
     if args.rounds < 1 or args.duration < 1 or args.connections < 1 or args.threads < 1:
         parser.error("--rounds, --duration, --connections and --threads must be at least 1")
     return args
@@ -89,14 +92,15 @@ def run_benchmark(args: argparse.Namespace, tools: dict[str, str]) -> str:
             redis_server.url, rounds=args.rounds, seconds=args.duration,
             warmup=min(STORE_WARMUP_SECONDS, args.duration / 2),
         )
+        streaming = measure_streaming(work_dir, size=args.stream_bytes)
     results = Results(
         variants=VARIANTS, throughput=throughput, decisions=decisions, latency=latency,
-        store_titles=contender_titles(), store=store, event_loop=event_loop,
+        store_titles=contender_titles(), store=store, streaming=streaming, event_loop=event_loop,
         load_average_before=load_average_before,
     )
     settings = Settings(
         rounds=args.rounds, duration=args.duration, connections=args.connections, threads=args.threads,
-        latency_rate=latency_rate,
+        latency_rate=latency_rate, stream_bytes=args.stream_bytes,
     )
     return render(results, settings)
 

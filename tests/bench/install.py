@@ -22,9 +22,10 @@ APT_PACKAGES = {"wrk": "wrk", "httperf": "httperf", "nginx": "nginx-light", "red
 # nginx lives in /usr/sbin, which is on root's PATH but not always on a user's.
 EXTRA_TOOL_DIRS = ("/usr/sbin", "/sbin")
 
-# Modules the store-check phase imports from the `bench` extra: `limits` itself
-# and coredis, the client its `async+redis://` storage uses by default.
-BENCH_EXTRA_MODULES = ("limits", "coredis")
+# Modules imported from the `bench` extra: `limits` itself and coredis, the client
+# its `async+redis://` storage uses by default (the store-check phase), and
+# httptools, the ceiling's response parser.
+BENCH_EXTRA_MODULES = ("limits", "coredis", "httptools")
 BENCH_EXTRA = "bench"
 
 

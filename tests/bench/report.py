@@ -14,8 +14,15 @@ from dataclasses import dataclass
 from tests.bench.install import REPO_ROOT
 from tests.bench.latency import HTTPERF_BIN_MS, LatencyRun
 from tests.bench.store_checks import StoreRun
+from tests.bench.streaming import GIB, Transfer
 from tests.bench.throughput import ThroughputRun
 from tests.bench.variants import Variant
+
+
+# The issue's bound on what streaming a body may add to the gateway's RSS, each way.
+RSS_GROWTH_LIMIT = 64 * 1000 * 1000
+QUICK_NOTE = " (scaled down by --quick; the target is for 1 GiB)"
+_MOVED = {"download": "downloaded", "upload": "uploaded"}
 
 
 @dataclass(frozen=True)
@@ -25,6 +32,7 @@ class Settings:
     connections: int
     threads: int
     latency_rate: float
+    stream_bytes: int  # moved each way in the streaming phase
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,7 @@ class Results:
     latency: Mapping[str, Sequence[LatencyRun]]
     store_titles: Sequence[tuple[str, str]]
     store: Mapping[str, Sequence[StoreRun]]
+    streaming: Sequence[Transfer]
     event_loop: str
     # The 1-minute load average before the run, from other work alone: the largest source
     # of noise, and this says how much there was. (Later values would include the run itself.)
@@ -46,6 +55,7 @@ class Results:
 class Target:
     text: str
     measured: str
+    goal: str
     met: bool
 
 
@@ -191,27 +201,57 @@ def store_table(results: Results) -> list[str]:
     return lines
 
 
-def targets(results: Results) -> list[Target]:
+def streaming_table(results: Results) -> list[str]:
+    lines = [
+        "| transfer | bytes | seconds | MB/s | gateway RSS before | peak during | growth |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for t in results.streaming:
+        lines.append(
+            f"| {t.direction} | {_size(t.size)} | {t.seconds:.1f} | {t.size / t.seconds / 1e6:,.0f} | "
+            f"{_mb(t.rss_before)} | {_mb(t.rss_peak)} | {_mb(t.growth)} |"
+        )
+    return lines
+
+
+def _size(size: int) -> str:
+    return f"{size / GIB:g} GiB" if size >= GIB else f"{size >> 20} MiB"
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1e6:.1f} MB"
+
+
+def targets(results: Results, settings: Settings) -> list[Target]:
+    """The issue's targets, each from this run alone."""
     rate = {key: median_rate(runs) for key, runs in results.throughput.items()}
-    flood_runs = results.throughput["c"]
-    calls_per_denied = _divide(sum(r.script_calls for r in flood_runs), sum(r.wrk.non_success for r in flood_runs))
     p99 = {key: _median_of(runs, lambda run: run.open_loop.p99_ms) for key, runs in results.latency.items()}
     added = p99["b"] - p99["a"]
     store = {key: statistics.median(r.checks_per_second for r in runs) for key, runs in results.store.items()}
-    allowed = results.decisions.get("c", {}).get("allow", 0)
-    fail_open = results.decisions.get("c", {}).get("fail_open", 0)
-    b_over_a, a_over_f = _divide(rate["b"], rate["a"]), _divide(rate["a"], rate["f"])
-    c_over_b, store_over_evalsha = _divide(rate["c"], rate["b"]), _divide(store["store"], store["evalsha"])
+    store_over_evalsha = _divide(store["store"], store["evalsha"])
+
+    def ratio(text: str, numerator: str, denominator: str, at_least: float) -> Target:
+        value = _divide(rate[numerator], rate[denominator])
+        return Target(text, _ratio(value), f"≥ {at_least:.2f}", value >= at_least)
+
+    # In a --quick run the volume is smaller than the target's 1 GiB, and the row says so.
+    volume = _size(settings.stream_bytes)
+    streaming = [
+        Target(
+            f"{volume} {_MOVED[t.direction]} through the gateway: RSS growth", _mb(t.growth), f"≤ {_mb(RSS_GROWTH_LIMIT)}",
+            t.growth <= RSS_GROWTH_LIMIT,
+        )
+        for t in results.streaming
+    ]
     return [
-        Target("(b) throughput ≥ 0.90 × (a)", _ratio(b_over_a), b_over_a >= 0.90),
-        Target("(a) throughput ≥ (f) alone", _ratio(a_over_f), a_over_f >= 1.0),
-        Target("(c) throughput ≥ 3 × (b)", _ratio(c_over_b), c_over_b >= 3.0),
-        Target("store calls per denied request in (c) ≤ 0.05", _per_request(calls_per_denied),
-               calls_per_denied <= 0.05),
-        Target("p99 added by limiting (b − a) at 50% load ≤ 1 ms", _ms(added), added <= 1.0),
-        Target("store checks/s ≥ 3 × redis-py per-call EVALSHA", _ratio(store_over_evalsha), store_over_evalsha >= 3.0),
-        Target("flood: allowed exactly 1, fail_open 0", f"allowed {allowed}, fail_open {fail_open}",
-               allowed == 1 and fail_open == 0),
+        ratio("(a) the gateway without limits ÷ (f) the naive aiohttp proxy", "a", "f", 2.5),
+        ratio("(a) ÷ (g) the ceiling", "a", "g", 0.60),
+        ratio("(b) a Redis limit, 10,000 clients, all allowed ÷ (a)", "b", "a", 0.85),
+        ratio("(c) one client flooding ÷ (h) the floor of a denial", "c", "h", 0.60),
+        Target("p99 added by limiting, (b) − (a), at 50% of (a)'s rate, open loop", _ms(added), "≤ 1 ms", added <= 1.0),
+        Target("store checks/s ÷ redis-py per-call EVALSHA, 200 in flight", _ratio(store_over_evalsha), "≥ 4.00",
+               store_over_evalsha >= 4.0),
+        *streaming,
     ]
 
 
@@ -246,10 +286,15 @@ def render(results: Results, settings: Settings) -> str:
         "",
         *store_table(results),
         "",
+        f"### Streaming: {_size(settings.stream_bytes)} each way through a gateway without limits"
+        f"{QUICK_NOTE if settings.stream_bytes < GIB else ''}",
+        "",
+        *streaming_table(results),
+        "",
         "### Targets",
         "",
-        "| target | measured | met |",
-        "|---|---:|:---:|",
-        *(f"| {t.text} | {t.measured} | {'yes' if t.met else 'no'} |" for t in targets(results)),
+        "| measure | measured | target | met |",
+        "|---|---:|---:|:---:|",
+        *(f"| {t.text} | {t.measured} | {t.goal} | {'met' if t.met else 'missed'} |" for t in targets(results, settings)),
     ]
     return "\n".join(lines) + "\n"

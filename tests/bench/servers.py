@@ -1,6 +1,7 @@
 """The benchmark's other servers, each a real process that is always stopped:
 nginx as the upstream (`return 200 "ok"`, so the upstream is never the
-bottleneck), nginx as a rate-limiting proxy (`limit_req`), and the naive proxy.
+bottleneck), nginx as a rate-limiting proxy (`limit_req`), the naive proxy, the
+ceiling and denial-floor probes, and the aiohttp upstream of the streaming phase.
 
 Each nginx gets a private prefix in a temp dir (config, pid, logs, temp
 paths), one worker, `daemon off`, and a free port on 127.0.0.1.
@@ -172,13 +173,32 @@ def nginx_limit_req_proxy(nginx: str, upstream_url: str) -> NginxProcess:
 
 def naive_proxy(upstream_url: str, log_dir: Path, *, redis_url: str | None = None) -> ListeningProcess:
     """tests/bench/naive_proxy.py as its own process, with one EVALSHA per request when given `redis_url`."""
-    port = free_port()
-    argv = [sys.executable, "-m", "tests.bench.naive_proxy", "--port", str(port), "--upstream", upstream_url]
-    if redis_url:
-        argv += ["--redis", redis_url]
+    argv = ["--upstream", upstream_url] + (["--redis", redis_url] if redis_url else [])
     name = "naive proxy + EVALSHA" if redis_url else "naive proxy"
-    log_path = log_dir / f"naive-proxy-{port}.log"
-    return ListeningProcess(argv, port=port, what=name, log_path=log_path, cwd=REPO_ROOT)
+    return python_server("tests.bench.naive_proxy", argv, what=name, log_dir=log_dir)
+
+
+def ceiling_proxy(upstream_url: str, log_dir: Path) -> ListeningProcess:
+    """tests/bench/ceiling.py as its own process: web.Server and the minimal httptools client."""
+    return python_server("tests.bench.ceiling", ["--upstream", upstream_url], what="ceiling proxy", log_dir=log_dir)
+
+
+def denial_floor(log_dir: Path) -> ListeningProcess:
+    """tests/bench/denial_floor.py as its own process: web.Server answering a fixed 429."""
+    return python_server("tests.bench.denial_floor", [], what="denial floor", log_dir=log_dir)
+
+
+def bulk_upstream(log_dir: Path) -> ListeningProcess:
+    """tests/bench/bulk_upstream.py as its own process: the tests' aiohttp upstream, for bodies of any size."""
+    return python_server("tests.bench.bulk_upstream", [], what="bulk upstream", log_dir=log_dir)
+
+
+def python_server(module: str, argv: list[str], *, what: str, log_dir: Path) -> ListeningProcess:
+    """`python -m MODULE --port PORT ARGV...` from the repository root, its output in a log in `log_dir`."""
+    port = free_port()
+    log_path = log_dir / f"{module.rpartition('.')[2]}-{port}.log"
+    command = [sys.executable, "-m", module, "--port", str(port), *argv]
+    return ListeningProcess(command, port=port, what=what, log_path=log_path, cwd=REPO_ROOT)
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """What the benchmark compares over HTTP, and how each is started.
 
-Every variant forwards `GET /` to the same nginx upstream. The gateways run as
+Every variant but the floor of a denial (h), which answers 429 itself, forwards
+`GET /` to the same nginx upstream. The gateways run as
 users start them, `python -m gateway run -c FILE`, with the project's default
 store settings (a 10 ms store timeout included), so the numbers are the ones a
 user would see.
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.bench.servers import naive_proxy, nginx_limit_req_proxy, started
+from tests.bench.servers import ceiling_proxy, denial_floor, naive_proxy, nginx_limit_req_proxy, started
 from tests.processes import GatewayProcess, RedisServer
 
 # Rate and burst no client comes near in a run: every request is allowed, so what
@@ -72,7 +73,7 @@ class Variant:
     key: str  # the letter in the issue, as the tables show it
     title: str
     start: Callable[[Environment], contextlib.AbstractContextManager[RunningVariant]]
-    flood: bool = False  # one client far over its limit, instead of 10,000 clients within theirs
+    flood: bool = False  # sent as one client far over its limit (answered 429), not as 10,000 within theirs
 
 
 def gateway_yaml(upstream_url: str, *, store_url: str | None = None, limit: str | None = None) -> str:
@@ -127,5 +128,15 @@ VARIANTS: tuple[Variant, ...] = (
     Variant(
         "f+redis", "naive aiohttp proxy + redis-py EVALSHA per request",
         lambda env: running_server(naive_proxy(env.upstream_url, env.work_dir, redis_url=env.redis.url)),
+    ),
+    Variant(
+        "g", "the ceiling: aiohttp web.Server + 150-line httptools upstream client (uvloop)",
+        lambda env: running_server(ceiling_proxy(env.upstream_url, env.work_dir)),
+    ),
+    # Sent the flood's requests, as (c) is, so that (c) ÷ (h) compares answers to the same request.
+    Variant(
+        "h", "the floor of a denial: aiohttp web.Server answering a fixed 429 (uvloop)",
+        lambda env: running_server(denial_floor(env.work_dir)),
+        flood=True,
     ),
 )
