@@ -33,7 +33,6 @@ from gateway.access_log import AccessRecord
 from gateway.bounded_protocol import ClientLimitExceeded, hung_up
 from gateway.metrics import NO_TARGET, QUEUE_FULL
 from gateway.proxy.header_rewrite import rewrite_headers
-from gateway.proxy.headers import end_to_end
 from gateway.proxy.problem import problem, problem_response
 from gateway.proxy.route_plan import PoolPlan, RoutePlan, TargetPlan
 from gateway.proxy.upstream_client import ConnectFailed, UpstreamClient, UpstreamError, UpstreamTimeout
@@ -228,7 +227,7 @@ async def _exchange(
         record.upstream_status, record.upstream_ms = upstream.status, round(latency * 1000, 3)
         arrived = upstream.arrived
         response = (_ArrivedResponse if arrived else _RelayedResponse)(status=upstream.status, reason=upstream.reason)
-        response.headers.extend(end_to_end(upstream.headers))
+        response.headers.extend(upstream.headers)
         plan.locations.apply(response.headers, headers)
         if plan.response_headers is not None:
             rewrite_headers(response.headers, plan.response_headers)

@@ -29,6 +29,8 @@ import httptools
 from multidict import CIMultiDict
 from yarl import URL
 
+from gateway.proxy.headers import HOP_BY_HOP
+
 # Bytes of response body held unread before the upstream is paused: as many as one stream
 # chunk, so 1,000 slow clients hold ~64 MB at most (plus one read each).
 HIGH_WATER = 64 * 1024
@@ -41,6 +43,8 @@ IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS", "TRACE"})
 # Methods whose empty body is still announced, as aiohttp's client and curl do.
 _LENGTH_ALWAYS = frozenset({"POST", "PUT", "PATCH"})
 _RELAYED_CODINGS = frozenset({b"chunked", b"identity"})
+# RFC 9110 §7.6.1: fields of one connection, never relayed (as gateway.proxy.headers.HOP_BY_HOP).
+_HOP_BY_HOP = frozenset(name.encode() for name in HOP_BY_HOP)
 _LAST_CHUNK = b"0\r\n\r\n"
 
 
@@ -102,7 +106,8 @@ class Endpoint:
 
 
 class UpstreamResponse:
-    """The status line and headers of an upstream's answer, and its body as it arrives."""
+    """The status line and end-to-end headers of an upstream's answer (hop-by-hop fields,
+    and those its Connection names, removed), and its body as it arrives."""
 
     __slots__ = ("status", "reason", "headers", "_connection")
 
@@ -338,21 +343,31 @@ class _Connection(asyncio.Protocol):
             self._names_values.clear()
             self._reason = b""
             return
-        headers: CIMultiDict[str] = CIMultiDict()
+        pairs = []
         framed = False
+        named: list[bytes] | None = None  # what Connection names, hop-by-hop too
         for name, value in self._names_values:
             lowered = name.lower()
-            if lowered == b"transfer-encoding":
+            if lowered in _HOP_BY_HOP:
+                if lowered == b"transfer-encoding":
+                    framed = True
+                    for coding in value.split(b","):
+                        coding = coding.partition(b";")[0].strip().lower()
+                        if coding and coding not in _RELAYED_CODINGS:
+                            # Relayed undecoded and unlabelled, it would look like a plain body.
+                            raise httptools.HttpParserError("sent a transfer coding other than chunked")
+                elif lowered == b"connection":
+                    named = (named or []) + [token.strip() for token in value.split(b",")]
+                continue
+            if lowered == b"content-length":
                 framed = True
-                for coding in value.split(b","):
-                    coding = coding.partition(b";")[0].strip().lower()
-                    if coding and coding not in _RELAYED_CODINGS:
-                        # Relayed undecoded and unlabelled, it would look like a plain body.
-                        raise httptools.HttpParserError("sent a transfer coding other than chunked")
-            elif lowered == b"content-length":
-                framed = True
-            headers.add(name.decode("latin-1"), value.decode("utf-8", "surrogateescape"))
+            # As aiohttp decodes them: the bytes go back out unchanged.
+            pairs.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
         self._names_values.clear()
+        headers: CIMultiDict[str] = CIMultiDict(pairs)
+        if named:
+            for token in named:
+                headers.popall(token.decode("latin-1"), None)
         self._keep_alive = parser.should_keep_alive()
         no_body = self._head_only or status in (204, 304)
         self._until_close = not framed and not no_body
@@ -443,7 +458,14 @@ class _Connection(asyncio.Protocol):
             raise self._broken
         waiter = self._waiter = self._loop.create_future()
         self._last_progress = max(self._last_progress, self._loop.time())
-        self._timer = self._loop.call_at(self._last_progress + self._read_timeout, self._check_timeout)
+        deadline = self._last_progress + self._read_timeout
+        timer = self._timer
+        if timer is None or timer.when() > deadline:
+            # One timer a connection, re-armed when it fires early, rather than one a wait;
+            # a later one is left from an exchange with a longer read timeout.
+            if timer is not None:
+                timer.cancel()
+            self._timer = self._loop.call_at(deadline, self._check_timeout)
         if self._paused_reading:
             self._resume()
         return waiter
@@ -483,7 +505,6 @@ class _Connection(asyncio.Protocol):
         self.answering = self.complete = self._until_close = False
         self._reason = b""
         self._sender = None
-        self._cancel_timer()
 
     def _resume(self) -> None:
         self._paused_reading = False
@@ -494,7 +515,7 @@ class _Connection(asyncio.Protocol):
         self._timer = None
         waiter = self._waiter
         if waiter is None or waiter.done():
-            return
+            return  # the next wait arms it again
         deadline = self._last_progress + self._read_timeout
         if self._loop.time() < deadline:
             self._timer = self._loop.call_at(deadline, self._check_timeout)
@@ -505,7 +526,6 @@ class _Connection(asyncio.Protocol):
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
-            self._cancel_timer()
             if not waiter.done():
                 waiter.set_result(None)
 
