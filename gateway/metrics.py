@@ -1,17 +1,43 @@
 """Prometheus metrics for dashboards. No label ever holds a client identity:
-routes are labelled by their configured match, methods by a fixed set."""
+routes are labelled by their configured match, methods by a fixed set.
+
+What the request path counts (requests, decisions, upstream and limiter latencies,
+pool targets' attempts, in-flight gauges) is, in one process, plain numbers on small
+objects that the route plans keep (`CounterValue`, `GaugeValue`, `HistogramValue`):
+an increment is an addition, where prometheus_client's takes a lock. One collector,
+the only one in the gateway's registry, reads them at scrape time into the families,
+names, help, labels and samples (`_total`, `_created`, buckets) prometheus_client
+would expose, in the order they are declared here. Only the event loop's thread
+touches them; the counts that other threads add to (the log writers' dropped lines)
+and the rare ones stay prometheus_client's.
+
+With several workers (`multiprocess=True`) every metric is prometheus_client's, kept
+in its per-process mmap files, which whichever worker answers /metrics sums. A
+worker's plain numbers are out of the others' reach, and flushing them into those
+files on a timer would leave up to a period of each other worker's counts out of
+every scrape, and lose them for good when a worker is killed; the mmap write on each
+increment is what makes a count visible fleet-wide the moment it happens.
+
+Both kinds bind children the same way (`labels(...)`, kept by `Children`), and a
+child bound shows at 0 until counted, so a label set known from the config can be
+exported from the start by binding it when the plans are compiled.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import time
+from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import INF, floatToGoString
 
 from gateway import __version__
 from gateway.limiter.circuit_breaker import BreakerState
@@ -39,18 +65,146 @@ def method_label(method: str) -> str:
     return method if method in KNOWN_METHODS else "OTHER"
 
 
+class CounterValue:
+    """One counter series: `inc` adds, with no lock (see the module docstring)."""
+
+    __slots__ = ("value", "created")
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.created = time.time()  # its _created sample, as prometheus_client stamps a child
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+
+class GaugeValue:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1) -> None:
+        self.value -= amount
+
+
+class HistogramValue:
+    """One histogram series: a count per bucket, summed into cumulative buckets only at scrape time."""
+
+    __slots__ = ("_bounds", "counts", "sum", "created")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, amount: float) -> None:
+        # The first bound at or above `amount`, as prometheus_client files it; the last is +Inf.
+        self.counts[bisect_left(self._bounds, amount)] += 1
+        self.sum += amount
+
+
+class PlainMetric:
+    """A metric family of plain values by label values, read by `collect` at scrape time.
+    Binds children as prometheus_client's metrics do (`labels`, `remove`), so `Children`
+    and the plans hold either kind alike."""
+
+    __slots__ = ("name", "documentation", "labelnames", "_values")
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._values: dict[tuple[str, ...], Any] = {}
+        if not self.labelnames:
+            self._values[()] = self._new_value()  # shown from the start, as prometheus_client shows one
+
+    def _new_value(self) -> Any:
+        raise NotImplementedError
+
+    def labels(self, **labels: str) -> Any:
+        """The value of these label values, made at 0 on first use."""
+        if labels.keys() != set(self.labelnames):
+            raise ValueError(f"{self.name}: labels {sorted(labels)}, expected {sorted(self.labelnames)}")
+        key = tuple(str(labels[name]) for name in self.labelnames)
+        value = self._values.get(key)
+        if value is None:
+            value = self._values[key] = self._new_value()
+        return value
+
+    def remove(self, *values: str) -> None:
+        """Drop the series of these label values (in `labelnames` order); KeyError if never bound."""
+        del self._values[values]
+
+    def collect(self) -> Iterator[Metric]:
+        raise NotImplementedError
+
+
+class PlainCounter(PlainMetric):
+    __slots__ = ()
+
+    def _new_value(self) -> CounterValue:
+        return CounterValue()
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for key, counter in self._values.items():
+            family.add_metric(key, counter.value, created=counter.created)
+        yield family
+
+
+class PlainGauge(PlainMetric):
+    __slots__ = ()
+
+    def _new_value(self) -> GaugeValue:
+        return GaugeValue()
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for key, gauge in self._values.items():
+            family.add_metric(key, gauge.value)
+        yield family
+
+
+class PlainHistogram(PlainMetric):
+    __slots__ = ("_bounds", "_le")
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (), *, buckets: Sequence[float]) -> None:
+        self._bounds = (*buckets, INF)
+        self._le = tuple(floatToGoString(bound) for bound in self._bounds)  # the `le` labels
+        super().__init__(name, documentation, labelnames)
+
+    def _new_value(self) -> HistogramValue:
+        return HistogramValue(self._bounds)
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for key, histogram in self._values.items():
+            cumulative, buckets = 0, []
+            for le, count in zip(self._le, histogram.counts):
+                cumulative += count
+                buckets.append((le, cumulative))
+            family.add_metric(key, buckets, histogram.sum)
+            family.samples.append(Sample(self.name + "_created", dict(zip(self.labelnames, key)), histogram.created))
+        yield family
+
+
 class Children:
     """The children of one labelled metric for some fixed labels (a route, a limit), each
     bound on first use and kept.
 
-    `labels()` checks the names and looks the child up under a lock, about 3 µs a call;
-    a kept child is one dict hit away. Binding on first use rather than up front keeps
-    /metrics to the label sets that have happened. Callers pass values from a bounded
-    set (method_label, STATUS_CLASSES, decision outcomes), so the dict stays small."""
+    `labels()` checks the names and looks the child up (prometheus_client's under a lock,
+    about 3 µs a call); a kept child is one dict hit away. Binding on first use rather
+    than up front keeps /metrics to the label sets that have happened. Callers pass values
+    from a bounded set (method_label, STATUS_CLASSES, decision outcomes), so the dict stays small."""
 
     __slots__ = ("_metric", "_fixed", "_names", "_bound")
 
-    def __init__(self, metric: MetricWrapperBase, names: tuple[str, ...] = (), **fixed: str) -> None:
+    def __init__(self, metric: PlainMetric | MetricWrapperBase, names: tuple[str, ...] = (), **fixed: str) -> None:
         self._metric = metric
         self._fixed = fixed
         self._names = names
@@ -64,116 +218,142 @@ class Children:
         return child
 
 
+class _Exposed:
+    """The registry's one collector: every metric of a `Metrics`, in the order declared."""
+
+    def __init__(self) -> None:
+        self.metrics: list[Any] = []  # PlainMetric or prometheus_client metrics, each a collector
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.metrics:
+            yield from metric.collect()
+
+
 class Metrics:
     def __init__(self, *, multiprocess: bool = False) -> None:
         # Each gateway has its own registry, so several can run in one process (tests, gateway.testing).
         self.registry = CollectorRegistry(auto_describe=True)
         self._multiprocess = multiprocess
-        r = self.registry
-        self.requests = Counter(
+        self._exposed = _Exposed()
+        # The request path's metrics: plain in one process, prometheus_client's files with several.
+        counter: Callable[..., Any] = Counter if multiprocess else PlainCounter
+        gauge: Callable[..., Any] = Gauge if multiprocess else PlainGauge
+        histogram: Callable[..., Any] = Histogram if multiprocess else PlainHistogram
+        # prometheus_client's own metrics go in no registry: `_exposed` collects them in order.
+        files: dict[str, Any] = {"registry": None} if multiprocess else {}
+        summed = {**files, "multiprocess_mode": "livesum"} if multiprocess else {}
+        add = self._add
+        self.requests = add(counter(
             "gateway_requests", "Requests answered, by route, method and status class.",
-            ["route", "method", "status_class"], registry=r,
-        )
-        self.decisions = Counter(
+            ["route", "method", "status_class"], **files,
+        ))
+        self.decisions = add(counter(
             "gateway_limiter_decisions", "Limiter decisions, by route, limit and decision.",
-            ["route", "limit", "decision"], registry=r,
-        )
-        self.limiter_latency = Histogram(
+            ["route", "limit", "decision"], **files,
+        ))
+        self.limiter_latency = add(histogram(
             "gateway_limiter_latency_seconds", "Time to decide a request's rate and concurrency limits, store calls included.",
-            buckets=LIMITER_BUCKETS, registry=r,
-        )
-        self.delay = Histogram(
+            buckets=LIMITER_BUCKETS, **files,
+        ))
+        self.delay = add(histogram(
             "gateway_limiter_delay_seconds", "Time requests admitted by a mode: delay limit waited before going on.",
-            buckets=DELAY_BUCKETS, registry=r,
-        )
-        self.upstream_latency = Histogram(
+            buckets=DELAY_BUCKETS, **files,
+        ))
+        self.upstream_latency = add(histogram(
             "gateway_upstream_latency_seconds", "Time from sending upstream to the response headers, by route.",
-            ["route"], buckets=UPSTREAM_BUCKETS, registry=r,
-        )
-        self.client_closed = Counter(
+            ["route"], buckets=UPSTREAM_BUCKETS, **files,
+        ))
+        self.client_closed = add(counter(
             "gateway_client_closed_requests",
             "Requests whose client closed the connection before the answer (logged as 499; also in gateway_requests_total as 4xx).",
-            ["route"], registry=r,
-        )
+            ["route"], **files,
+        ))
         # Pool targets are labelled by their configured name (default: host:port), so the
         # label sets are bounded by the config.
-        self.target_requests = Counter(
+        self.target_requests = add(counter(
             "gateway_upstream_target_requests", "Attempts sent to each pool target, retries included.",
-            ["target"], registry=r,
-        )
-        self.target_errors = Counter(
+            ["target"], **files,
+        ))
+        self.target_errors = add(counter(
             "gateway_upstream_target_errors",
             "Failed attempts on each pool target, by kind: connect, reset, timeout, 5xx.",
-            ["target", "kind"], registry=r,
-        )
-        self.target_latency = Histogram(
+            ["target", "kind"], **files,
+        ))
+        self.target_latency = add(histogram(
             "gateway_upstream_target_latency_seconds", "Time from sending to a pool target to its response headers.",
-            ["target"], buckets=UPSTREAM_BUCKETS, registry=r,
-        )
+            ["target"], buckets=UPSTREAM_BUCKETS, **files,
+        ))
         self._checked_targets: frozenset[str] = frozenset()  # see show_targets
         self._named_targets: frozenset[str] = frozenset()  # see keep_targets
-        self.target_healthy = Gauge(
+        self.target_healthy = add(Gauge(
             TARGET_HEALTHY,
             "Worker processes whose active health checks see each checked pool target healthy.",
-            ["target"], registry=r, multiprocess_mode="livesum",
-        )
-        self.target_ejections = Counter(
+            ["target"], registry=None, multiprocess_mode="livesum",
+        ))
+        self.target_ejections = add(counter(
             "gateway_upstream_target_ejections",
             "Times each pool target was taken out of rotation for eject_for after consecutive failures.",
-            ["target"], registry=r,
-        )
-        self.retries = Counter(
+            ["target"], **files,
+        ))
+        self.retries = add(counter(
             "gateway_upstream_retries", "Attempts sent to another pool target after a connect failure, by route.",
-            ["route"], registry=r,
-        )
+            ["route"], **files,
+        ))
         # Envoy counts these as upstream_cx_none_healthy and upstream_rq_pending_overflow.
-        self.upstream_unavailable = Counter(
+        self.upstream_unavailable = add(counter(
             "gateway_upstream_unavailable",
             "Requests answered 503 without being sent upstream, by route and reason: no_target "
             "(no pool target in rotation) or queue_full (no upstream connection came free within timeout.queue).",
-            ["route", "reason"], registry=r,
-        )
-        self.shed = Counter(
+            ["route", "reason"], **files,
+        ))
+        self.shed = add(counter(
             "gateway_requests_shed", "Requests answered 503 at once because max_in_flight were already in flight.",
-            registry=r,
-        )
-        self.in_flight = Gauge(
-            "gateway_requests_in_flight", "Requests being handled now.", registry=r, multiprocess_mode="livesum"
-        )
-        self.store_breaker = Gauge(
+            **files,
+        ))
+        self.in_flight = add(gauge("gateway_requests_in_flight", "Requests being handled now.", **summed))
+        self.store_breaker = add(Gauge(
             "gateway_store_breaker", "Worker processes whose store circuit breaker is in each state (closed, open, half_open).",
-            ["state"], registry=r, multiprocess_mode="livesum",
-        )
-        build = Gauge(
-            "gateway_build_info", "The running gateway's version.", ["version"], registry=r, multiprocess_mode="max"
-        )
+            ["state"], registry=None, multiprocess_mode="livesum",
+        ))
+        build = add(Gauge(
+            "gateway_build_info", "The running gateway's version.", ["version"], registry=None, multiprocess_mode="max"
+        ))
         build.labels(version=__version__).set(1)
-        self.concurrency_in_flight = Gauge(
+        self.concurrency_in_flight = add(gauge(
             "gateway_concurrency_in_flight", "Requests in flight admitted by each concurrency limit, summed over workers.",
-            ["limit"], registry=r, multiprocess_mode="livesum",
-        )
-        self.lease_release_failures = Counter(
+            ["limit"], **summed,
+        ))
+        self.lease_release_failures = add(Counter(
             "gateway_concurrency_lease_release_failures",
             "Concurrency leases whose release kept failing (the store was down) until they expired with their lease_ttl.",
-            registry=r,
-        )
-        self.access_log_dropped = Counter(
+            registry=None,
+        ))
+        self.access_log_dropped = add(Counter(
             "gateway_access_log_dropped",
             "Access log lines dropped because stdout did not take them: the queue of lines waiting was full "
             "(gateway.access_log.QUEUE_LINES) or a write failed.",
-            registry=r,
-        )
-        self.log_lines_dropped = Counter(
+            registry=None,
+        ))
+        self.log_lines_dropped = add(Counter(
             "gateway_log_lines_dropped",
             "Lines of the gateway's own log dropped because stderr did not take them: the queue of lines waiting "
             "was full (gateway.log_lines.STDERR_QUEUE_LINES) or a write failed.",
-            registry=r,
-        )
-        self.reload_failures = reload_failures_counter(r)
-        self.reload_success = Gauge(
+            registry=None,
+        ))
+        self.reload_failures = add(reload_failures_counter(None))
+        self.reload_success = add(Gauge(
             "gateway_config_last_reload_success_timestamp", "Unix time of the last config reload that took effect (0: none yet).",
-            registry=r, multiprocess_mode="max",
-        )
+            registry=None, multiprocess_mode="max",
+        ))
+        self.registry.register(self._exposed)
+
+    def _add(self, metric: Any) -> Any:
+        """`metric`, exposed after those added before it; an unlabelled plain one is given
+        as its one value, which callers count on directly."""
+        self._exposed.metrics.append(metric)
+        if isinstance(metric, PlainMetric) and not metric.labelnames:
+            return metric.labels()
+        return metric
 
     def show_targets(self, names: frozenset[str]) -> None:
         """The pool targets health checks run for now (gateway.proxy.health_checks), whose
@@ -223,7 +403,7 @@ class _CurrentTargetsOnly:
             yield family
 
 
-def reload_failures_counter(registry: CollectorRegistry) -> Counter:
+def reload_failures_counter(registry: CollectorRegistry | None) -> Counter:
     """gateway_config_reload_failures_total: a worker's, or with several workers the supervisor's,
     which checks each reload once for all of them (gateway.server)."""
     return Counter(
