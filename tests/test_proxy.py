@@ -369,6 +369,32 @@ async def test_the_limit_applies_to_the_websocket_handshake(upstream, client):
             assert await ws.receive_str(timeout=RAW_TIMEOUT) == "echo:still open"
 
 
+async def test_open_websockets_and_requests_share_the_upstreams_connections(upstream, client):
+    """upstream_connections bounds both: with every connection held by an open WebSocket,
+    a plain request and a 21st handshake get their 503 within timeout.queue instead of
+    waiting for a WebSocket to close, and one closing frees a connection for a request."""
+    config = "upstream_connections: 20\n" + passthrough_config(upstream, timeout="{queue: 200ms}")
+    async with running_gateway(config) as gw:
+        sockets = [await client.ws_connect(gw.url + "/ws", protocols=("chat",)) for _ in range(20)]
+        try:
+            async with client.get(gw.url + "/echo") as response:
+                body = await assert_problem(response, 503)
+            assert "No connection to the upstream came free within 0.2 s" in body["detail"]
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await client.ws_connect(gw.url + "/ws", protocols=("chat",))
+            assert refused.value.status == 503
+            await sockets.pop().close()
+            async with client.get(gw.url + "/echo") as response:
+                assert response.status == 200
+            await sockets[0].send_str("still open")
+            assert await sockets[0].receive_str(timeout=RAW_TIMEOUT) == "echo:still open"
+        finally:
+            for ws in sockets:
+                await ws.close()
+        _, samples = await scrape(client, gw.admin_url)
+        assert value(samples, "gateway_upstream_unavailable_total", reason="queue_full") == 2
+
+
 async def test_the_websocket_handshake_response_carries_the_ratelimit_headers(upstream):
     request = (
         b"GET /ws HTTP/1.1\r\nHost: gw\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
