@@ -328,6 +328,11 @@ class _Connection(asyncio.Protocol):
 
     # llhttp's side
 
+    def on_message_begin(self) -> None:
+        if self.complete:
+            # A second response to one request (llhttp would parse it as the next) desyncs the connection.
+            raise httptools.HttpParserError("bytes past the end of a response")
+
     def on_status(self, reason: bytes) -> None:
         self._reason += reason
 
