@@ -1,12 +1,18 @@
--- Token buckets and fixed-window quotas over several limits, all-or-nothing, in one atomic step.
+-- Token buckets and fixed-window quotas: one or more checks, each of several limits and each
+-- all-or-nothing across its own limits, in one atomic step.
 --
--- ARGV[1]             one letter per key: 'b' a token bucket, 'q' a quota
--- KEYS[i]             limit i: a bucket is a hash {tokens, ts}, a quota a hash {n, w}
--- ARGV[4i-2 .. 4i+1]  a bucket: capacity, rate (tokens per second), cost, debt (tokens it may owe)
---                     a quota:  limit, period_ms (0: a calendar month), cost, offset_ms
+-- The checks of a call run one after another, as that many calls in that order would: a
+-- later check sees what an earlier one charged. Check j, whose first key is KEYS[k] and whose
+-- letters are ARGV[p] (k and p start at 1 and move past each check in turn):
+-- ARGV[p]                 one letter per limit: 'b' a token bucket, 'q' a quota; n letters, n limits
+-- KEYS[k + i - 1]         limit i: a bucket is a hash {tokens, ts}, a quota a hash {n, w}
+-- ARGV[p + 4i - 3 .. +3]  a bucket: capacity, rate (tokens per second), cost, debt (tokens it may owe)
+--                         a quota:  limit, period_ms (0: a calendar month), cost, offset_ms
 --
--- Returns {allowed (1|0), {remaining per limit, as strings}, retry_after_ms, wait_ms,
--- {ms until each quota's window ends; -1 for a bucket}}.
+-- Returns five values per check, one check after another in one flat list:
+-- allowed (1|0), {remaining per limit, as strings}, retry_after_ms, wait_ms,
+-- {ms until each quota's window ends; -1 for a bucket}. A call of one check returns exactly
+-- {allowed, {remaining, ...}, retry_after_ms, wait_ms, {reset_ms, ...}}.
 -- Remaining is after the charge when allowed, else as found (a quota: its limit less its
 -- count). retry_after_ms is 0 when allowed and -1 when some cost exceeds its capacity or
 -- limit and can never pass. wait_ms is how long an allowed request waits first: a bucket
@@ -14,8 +20,9 @@
 -- and the request waits until the tokens it took would have refilled. Remaining values
 -- are strings because Redis truncates Lua numbers to integers.
 --
--- The clock is Redis's own TIME, never the caller's: a gateway whose clock runs fast
--- gains nothing. It is the model of gateway/limiter/bucket.py and quota.py, in milliseconds.
+-- The clock is Redis's own TIME, never the caller's, read once per call: a gateway whose
+-- clock runs fast gains nothing. It is the model of gateway/limiter/bucket.py and quota.py,
+-- in milliseconds.
 
 -- The number as a string that reads back as the same double: tostring's 14
 -- digits when they do, else 17, so 0.999999999999999 tokens never read as "1".
@@ -74,125 +81,137 @@ end
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000 + tonumber(time[2]) / 1000
 
-local kinds = ARGV[1]
-local count = #KEYS
-local held, stamps, ends, costs, used, kept = {}, {}, {}, {}, {}, {}
-local allowed = 1
-local retry_ms = 0
-local wait_ms = 0
+-- One check: its first key KEYS[k], its letters ARGV[p], `count` limits.
+local function check(k, p, count)
+  local kinds = ARGV[p]
+  local held, stamps, ends, costs, used, kept = {}, {}, {}, {}, {}, {}
+  local allowed = 1
+  local retry_ms = 0
+  local wait_ms = 0
 
-local function deny(ms)
-  allowed = 0
-  if ms < 0 then
-    retry_ms = -1
-  elseif retry_ms >= 0 then
-    retry_ms = math.max(retry_ms, math.ceil(ms))
+  local function deny(ms)
+    allowed = 0
+    if ms < 0 then
+      retry_ms = -1
+    elseif retry_ms >= 0 then
+      retry_ms = math.max(retry_ms, math.ceil(ms))
+    end
   end
-end
 
-for i = 1, count do
-  local a = 4 * i - 2
-  local cost = tonumber(ARGV[a + 2])
-  costs[i] = cost
-  if string.sub(kinds, i, i) == 'q' then
-    local limit, period, offset = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 3])
-    local state = redis.call('HMGET', KEYS[i], 'n', 'w')
-    local n, w = tonumber(state[1]), tonumber(state[2])
-    kept[i] = n ~= nil
-    local start, finish = window(period, offset, now)
-    if n == nil or w == nil or w < start then
-      n = 0
-    elseif w > start then
-      -- A clock that stepped back across a boundary never resets a quota.
-      start, finish = window(period, offset, w)
-    end
-    held[i], stamps[i], ends[i], used[i] = limit - n, start, finish, n
-    if n + cost > limit then
-      deny(cost > limit and -1 or finish - now)
-    end
-  else
-    local capacity, rate, debt = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 3])
-    local state = redis.call('HMGET', KEYS[i], 'tokens', 'ts')
-    local tokens = tonumber(state[1])
-    local ts = tonumber(state[2])
-    kept[i] = tokens ~= nil
-    if tokens == nil or ts == nil then
-      tokens = capacity
-      ts = now
-    end
-    -- A clock that stepped back (a failover to another host) refills nothing,
-    -- and the stamp never moves backwards.
-    local elapsed = math.max(0, now - ts)
-    tokens = math.min(capacity, tokens + elapsed / 1000 * rate)
-    held[i], stamps[i], ends[i] = tokens, math.max(ts, now), -1
-    if tokens < cost then
-      if cost > capacity then
-        deny(-1)
-      else
-        -- A stamp ahead of now refills nothing until now reaches it.
-        local until_ms = (stamps[i] - now) + (cost - tokens) / rate * 1000
-        if tokens - cost < -debt then
-          -- A bucket that may owe admits again once its debt would cover the rest.
-          deny(math.max(0, until_ms - debt / rate * 1000))
+  for i = 1, count do
+    local a = p + 4 * i - 3
+    local cost = tonumber(ARGV[a + 2])
+    costs[i] = cost
+    if string.sub(kinds, i, i) == 'q' then
+      local limit, period, offset = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 3])
+      local state = redis.call('HMGET', KEYS[k + i - 1], 'n', 'w')
+      local n, w = tonumber(state[1]), tonumber(state[2])
+      kept[i] = n ~= nil
+      local start, finish = window(period, offset, now)
+      if n == nil or w == nil or w < start then
+        n = 0
+      elseif w > start then
+        -- A clock that stepped back across a boundary never resets a quota.
+        start, finish = window(period, offset, w)
+      end
+      held[i], stamps[i], ends[i], used[i] = limit - n, start, finish, n
+      if n + cost > limit then
+        deny(cost > limit and -1 or finish - now)
+      end
+    else
+      local capacity, rate, debt = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 3])
+      local state = redis.call('HMGET', KEYS[k + i - 1], 'tokens', 'ts')
+      local tokens = tonumber(state[1])
+      local ts = tonumber(state[2])
+      kept[i] = tokens ~= nil
+      if tokens == nil or ts == nil then
+        tokens = capacity
+        ts = now
+      end
+      -- A clock that stepped back (a failover to another host) refills nothing,
+      -- and the stamp never moves backwards.
+      local elapsed = math.max(0, now - ts)
+      tokens = math.min(capacity, tokens + elapsed / 1000 * rate)
+      held[i], stamps[i], ends[i] = tokens, math.max(ts, now), -1
+      if tokens < cost then
+        if cost > capacity then
+          deny(-1)
         else
-          wait_ms = math.max(wait_ms, math.ceil(until_ms))
+          -- A stamp ahead of now refills nothing until now reaches it.
+          local until_ms = (stamps[i] - now) + (cost - tokens) / rate * 1000
+          if tokens - cost < -debt then
+            -- A bucket that may owe admits again once its debt would cover the rest.
+            deny(math.max(0, until_ms - debt / rate * 1000))
+          else
+            wait_ms = math.max(wait_ms, math.ceil(until_ms))
+          end
         end
       end
     end
   end
-end
 
-local remaining, resets = {}, {}
-for i = 1, count do
-  local quota = string.sub(kinds, i, i) == 'q'
-  if allowed == 1 then
-    held[i] = held[i] - costs[i]
-    if costs[i] > 0 then
-      local a = 4 * i - 2
+  local remaining, resets = {}, {}
+  for i = 1, count do
+    local quota = string.sub(kinds, i, i) == 'q'
+    if allowed == 1 then
+      held[i] = held[i] - costs[i]
+      if costs[i] > 0 then
+        local a = p + 4 * i - 3
+        if quota then
+          redis.call('HSET', KEYS[k + i - 1], 'n', used[i] + costs[i], 'w', stamps[i])
+          -- Gone when the window ends.
+          redis.call('PEXPIRE', KEYS[k + i - 1], math.max(1, math.ceil(ends[i] - now)))
+        else
+          local capacity, rate = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+          redis.call('HSET', KEYS[k + i - 1], 'tokens', held[i], 'ts', stamps[i])
+          -- Long enough to refill completely, from empty or from its debt, so a partly
+          -- full bucket never expires early and comes back full.
+          local deficit = math.max(capacity, capacity - held[i])
+          local ttl = math.min(math.ceil((stamps[i] - now) + deficit / rate * 1000) + 1000, MAX_TTL_MS)
+          redis.call('PEXPIRE', KEYS[k + i - 1], ttl)
+        end
+      end
+    end
+    if allowed == 0 and kept[i] then
+      -- A denial writes nothing, but a key must still outlive its state: a reload that
+      -- lowered the rate (or raised the burst or lengthened the window) makes the bucket take
+      -- longer to fill than the TTL its last charge set, and expiring early it would come
+      -- back full (or the quota empty) too soon.
+      local ttl = redis.call('PTTL', KEYS[k + i - 1])  -- -1: none, and none is needed
       if quota then
-        redis.call('HSET', KEYS[i], 'n', used[i] + costs[i], 'w', stamps[i])
-        -- Gone when the window ends.
-        redis.call('PEXPIRE', KEYS[i], math.max(1, math.ceil(ends[i] - now)))
+        -- Gone when the window ends, as a charge sets it. PTTL is in whole milliseconds, so
+        -- only a deadline more than one short is moved: the window's own is left alone.
+        local need = math.max(1, math.ceil(ends[i] - now))
+        if ttl >= 0 and ttl + 1 < need then
+          redis.call('PEXPIRE', KEYS[k + i - 1], need)
+        end
       else
+        local a = p + 4 * i - 3
         local capacity, rate = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
-        redis.call('HSET', KEYS[i], 'tokens', held[i], 'ts', stamps[i])
-        -- Long enough to refill completely, from empty or from its debt, so a partly
-        -- full bucket never expires early and comes back full.
-        local deficit = math.max(capacity, capacity - held[i])
-        local ttl = math.min(math.ceil((stamps[i] - now) + deficit / rate * 1000) + 1000, MAX_TTL_MS)
-        redis.call('PEXPIRE', KEYS[i], ttl)
+        local need = (stamps[i] - now) + (capacity - held[i]) / rate * 1000
+        if ttl >= 0 and ttl < need then
+          redis.call('PEXPIRE', KEYS[k + i - 1], math.min(math.ceil(need) + 1000, MAX_TTL_MS))
+        end
       end
     end
+    remaining[i] = exact(held[i])
+    resets[i] = quota and math.ceil(ends[i] - now) or -1
   end
-  if allowed == 0 and kept[i] then
-    -- A denial writes nothing, but a key must still outlive its state: a reload that
-    -- lowered the rate (or raised the burst or lengthened the window) makes the bucket take
-    -- longer to fill than the TTL its last charge set, and expiring early it would come
-    -- back full (or the quota empty) too soon.
-    local ttl = redis.call('PTTL', KEYS[i])  -- -1: none, and none is needed
-    if quota then
-      -- Gone when the window ends, as a charge sets it. PTTL is in whole milliseconds, so
-      -- only a deadline more than one short is moved: the window's own is left alone.
-      local need = math.max(1, math.ceil(ends[i] - now))
-      if ttl >= 0 and ttl + 1 < need then
-        redis.call('PEXPIRE', KEYS[i], need)
-      end
-    else
-      local a = 4 * i - 2
-      local capacity, rate = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
-      local need = (stamps[i] - now) + (capacity - held[i]) / rate * 1000
-      if ttl >= 0 and ttl < need then
-        redis.call('PEXPIRE', KEYS[i], math.min(math.ceil(need) + 1000, MAX_TTL_MS))
-      end
-    end
+
+  if allowed == 1 then
+    retry_ms = 0
+  else
+    wait_ms = 0
   end
-  remaining[i] = exact(held[i])
-  resets[i] = quota and math.ceil(ends[i] - now) or -1
+  return allowed, remaining, retry_ms, wait_ms, resets
 end
 
-if allowed == 1 then
-  retry_ms = 0
-else
-  wait_ms = 0
+local replies, k, p = {}, 1, 1
+local last = #ARGV
+while p <= last do
+  local count = #ARGV[p]
+  local r = #replies
+  replies[r + 1], replies[r + 2], replies[r + 3], replies[r + 4], replies[r + 5] = check(k, p, count)
+  k, p = k + count, p + 1 + 4 * count
 end
-return {allowed, remaining, retry_ms, wait_ms, resets}
+return replies

@@ -105,12 +105,14 @@ def test_the_clock_is_redis_time_and_is_stored_as_the_stamp(script, client):
 def test_the_script_takes_no_time_argument():
     source = load_script()
     assert "redis.call('TIME')" in source
-    # The kinds, then exactly four arguments per limit (a bucket's capacity, rate, cost and
-    # debt; a quota's limit, period, cost and offset): none of them a time.
-    assert "local a = 4 * i - 2" in source
+    # Per check, its kinds, then exactly four arguments per limit (a bucket's capacity, rate,
+    # cost and debt; a quota's limit, period, cost and offset): none of them a time. ARGV's
+    # length only ends the list of checks, each of which takes its kinds and four per limit.
+    assert "local a = p + 4 * i - 3" in source
     code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith("--"))
-    assert set(re.findall(r"ARGV\[([^\]]+)\]", code)) == {"1", "a", "a + 1", "a + 2", "a + 3"}
-    assert "#ARGV" not in source
+    assert set(re.findall(r"ARGV\[([^\]]+)\]", code)) == {"p", "a", "a + 1", "a + 2", "a + 3"}
+    assert re.findall(r"#ARGV\S*", code) == ["#ARGV", "#ARGV[p]"]  # the end of the list, and a check's limit count
+    assert "k, p = k + count, p + 1 + 4 * count" in code
 
 
 def test_remaining_comes_back_as_strings_so_fractions_survive(script, client):
@@ -357,3 +359,23 @@ def test_a_bucket_a_hair_short_of_the_cost_is_reported_short(client, script):
     reply = script(("hair", 10, 1, 1))
     assert reply.allowed == 0
     assert float(reply.remaining[0]) == tokens < 1
+
+
+def test_several_checks_in_one_call_are_each_all_or_nothing_in_order(script, client):
+    """A call of three checks, as the store batches them: the first takes the last token
+    of a shared bucket, so the second (that bucket and a full one) is denied and charges
+    neither, and the third, on other buckets, is allowed. Each gets its own five values."""
+    put(client, "rl:shared:{a}", 1.0, redis_now_ms(client) + 60_000)  # stamped ahead: no refill
+    bucket = ["1.0", "0.001", "1.0", "0.0"]
+    roomy = ["10.0", "0.001", "1.0", "0.0"]
+    keys = ["rl:shared:{a}", "rl:shared:{a}", "rl:roomy:{a}", "rl:other:{b}"]
+    args = ["b", *bucket, "bb", *bucket, *roomy, "b", *roomy]
+    reply = client.evalsha(script.sha, len(keys), *keys, *args)
+    assert len(reply) == 15
+    first, second, third = reply[0:5], reply[5:10], reply[10:15]
+    assert first[:2] == [1, ["0"]]
+    assert second[0] == 0 and second[1] == ["0", "10"] and second[2] > 0  # as found, nothing charged
+    assert third[:2] == [1, ["9"]]
+    assert not client.exists("rl:roomy:{a}")  # the denied check wrote nothing
+    assert held(client, "rl:shared:{a}")[0] == 0.0
+    assert float(client.hget("rl:other:{b}", "tokens")) == 9.0

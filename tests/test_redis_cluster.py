@@ -17,9 +17,13 @@ import time
 
 import aiohttp
 import pytest
+import redis
 
 from gateway.limiter.keys import bucket_key, identity_digest
 from gateway.limiter.redis_cluster import key_slot, parse_redirect
+from gateway.limiter.redis_store import RedisStore
+from gateway.limiter.store import LimitCheck
+from gateway.testing import config_from_yaml
 from tests.processes import GatewayProcess, RedisCluster, eventually, free_cluster_port
 from tests.scrape import settled_decisions
 
@@ -328,3 +332,27 @@ async def test_resharding_under_load_follows_moved_and_ask_and_loses_no_charge(u
         assert_charges_match(cluster, "reshard", 1000, load.results)
         print(f"reshard: {len(load.results)} requests, "
               f"{sum(not d for _, _, d, _ in load.results)} failed open over {window * 1000:.0f} ms")
+
+
+async def test_checks_sent_together_go_as_one_script_call_per_slot_on_every_master(cluster):
+    """Five checks each of twelve clients at once: each slot's checks ride one EVALSHA on
+    its master, and each client gets exactly its burst of 3, in order."""
+    limits = "  batched: {rate: 1/hour, burst: 3, key: header:X-API-Key}"
+    config = config_from_yaml(cluster_yaml(cluster.url, "http://127.0.0.1:1", limits, "[batched]"))
+    assert config.store is not None
+    (limit,) = config.limits
+    store = RedisStore(config.store)
+    await store.start()
+    masters = [redis.Redis(port=port) for port in cluster.masters()]
+    for master in masters:
+        master.config_resetstat()
+    identities = [f"header:x-api-key=batched-{n}" for n in range(12)]
+    try:
+        decisions = await asyncio.gather(*(store.check([LimitCheck(limit, identity, 1)]) for identity in identities * 5))
+    finally:
+        await store.close()
+    for n in range(len(identities)):
+        assert [d.allowed for d in decisions[n :: len(identities)]] == [True] * 3 + [False] * 2
+    calls = [master.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0) for master in masters]
+    assert sum(calls) == len({slot_of("batched", identity) for identity in identities}), calls
+    assert all(calls), calls  # the slots of twelve clients span the three masters

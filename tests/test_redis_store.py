@@ -480,3 +480,38 @@ async def test_a_rediss_server_another_ca_signed_fails_per_policy_and_readyz_say
             assert response.status == 503
     assert body["store_state"] == "unreachable"
     assert "cannot connect: [SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed" in body["detail"], body
+
+
+async def test_the_checks_of_one_iteration_go_in_one_script_call_each_all_or_nothing(redis_server):
+    """Thirty checks at once, as thirty concurrent requests make them, ride one EVALSHA.
+    Three clients send ten each, against a burst of 4 and a roomy second limit: exactly the
+    first four of each client pass, in order, the second limit is charged for those four
+    only, and every denied check reports its buckets as found."""
+    config = config_from_yaml(
+        "limits:\n"
+        "  tight: {rate: 1/day, burst: 4, key: header:X-API-Key}\n"
+        "  roomy: {rate: 1/day, burst: 100, key: header:X-API-Key}\n"
+        "routes:\n  - match: {path: /}\n    upstream: http://127.0.0.1:1\n    limits: [tight, roomy]\n"
+    )
+    tight, roomy = config.limits
+    store = RedisStore(
+        StoreConfig(url=redis_server.url, timeout=1.0, prefix="rl:", local_divisor=1, max_pending=4096, key_secret="s" * 32)
+    )
+    await store.start()
+    client = redis_server.client()
+    client.config_resetstat()
+    try:
+        clients = [f"header:x-api-key=k{i % 3}" for i in range(30)]
+        decisions = await asyncio.gather(
+            *(store.check([LimitCheck(tight, identity, 1), LimitCheck(roomy, identity, 1)]) for identity in clients)
+        )
+    finally:
+        await store.close()
+    assert client.info("commandstats")["cmdstat_evalsha"]["calls"] == 1
+    for n in range(3):
+        mine = decisions[n::3]
+        assert [d.allowed for d in mine] == [True] * 4 + [False] * 6
+        assert [d.remaining for d in mine[:4]] == [(3.0, 99.0), (2.0, 98.0), (1.0, 97.0), (0.0, 96.0)]
+        assert all(d.remaining == (0.0, 96.0) and d.retry_after > 0 for d in mine[4:])
+    roomy_keys = [k for k in bucket_keys(client) if k.startswith("rl:roomy:")]
+    assert len(roomy_keys) == 3 and all(bucket_tokens(client, k) == 96.0 for k in roomy_keys)

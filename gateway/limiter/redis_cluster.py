@@ -26,7 +26,7 @@ import asyncio
 import binascii
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -162,15 +162,47 @@ class RedisCluster:
             self._refreshing.cancel()
         await asyncio.gather(*(connection.close() for connection in self._connections.values()))
 
-    async def execute(self, slot: int, *args: Any, timeout: float | None = None) -> Any:
-        """Run one command on the master of `slot`, following MOVED and ASK."""
+    def connection_for(self, slot: int) -> RedisConnection | None:
+        """The connection `execute` queues a command of `slot` on at once, if there is one."""
+        connection = self._owners[slot]
+        return connection if connection is not None and connection.ever_connected else None
+
+    def execute(
+        self, slot: int, *args: Any, timeout: float | None = None, weight: int = 1, waiter: object = None
+    ) -> Awaitable[Any]:
+        """Run one command, carrying `weight` checks, on the master of `slot`, following MOVED
+        and ASK. On a master connected before, the command is queued before this returns, so
+        commands issued together share a write; StoreError may be raised at once. `waiter` is
+        not used: a redirect needs the reply awaited here."""
         connection = self._owners[slot]
         if connection is None:
             self._refresh_soon()
             raise StoreError(f"redis {self}: no master known for slot {slot}")
+        first = None
+        if connection.ever_connected:
+            try:
+                first = connection.execute(*args, timeout=timeout, weight=weight)
+            except StoreError:
+                self._refresh_soon()  # a lost or silent master may have failed over
+                raise
+        return self._follow(slot, connection, first, args, timeout, weight)
+
+    async def _follow(
+        self,
+        slot: int,
+        connection: RedisConnection,
+        first: asyncio.Future[Any] | None,
+        args: tuple[Any, ...],
+        timeout: float | None,
+        weight: int,
+    ) -> Any:
+        """`execute`'s reply: `first`'s, or, after a redirect, the reply of the node it names."""
         asking = False
         for _ in range(MAX_REDIRECTS + 1):
             try:
+                if first is not None:
+                    reply, first = first, None
+                    return await reply
                 if not connection.ever_connected:
                     # A master named since the last connect (a promoted replica, a
                     # migration's target) is worth one timeout's wait. A known master
@@ -181,10 +213,10 @@ class RedisCluster:
                     # ASKING lets the next command on this connection, and only it, use the
                     # importing slot; both go out in the same write.
                     ask_first = connection.execute("ASKING", timeout=timeout)
-                    reply = connection.execute(*args, timeout=timeout)
+                    reply = connection.execute(*args, timeout=timeout, weight=weight)
                     await asyncio.gather(ask_first, return_exceptions=True)
                     return await reply
-                return await connection.execute(*args, timeout=timeout)
+                return await connection.execute(*args, timeout=timeout, weight=weight)
             except RedisReplyError as exc:
                 error = exc.reply
                 if error.startswith("MOVED "):

@@ -4,7 +4,11 @@ Every check of a gateway process goes through one connection per Redis node.
 Commands issued in one event-loop iteration are packed by hiredis and sent in
 one write; Redis answers strictly in order, so replies are matched to a FIFO
 of futures. There is no task and no stream reader per command: the cost of a
-command is one `pack_command`, one future, and its share of a write.
+command is one `pack_command`, one future, and its share of a write. A caller
+that gathers many checks into one command (`gateway.limiter.check_batches`)
+reserves a place per check as it takes it, and is called back at the start of
+the write (`before_write`) to queue that command into it; `max_pending` counts
+checks, so a command carrying many weighs as many.
 
 Timeouts measure Redis, never this process's own event loop. A command's
 deadline starts when its batch is written, not when it was queued. When the
@@ -31,7 +35,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
@@ -43,7 +47,7 @@ log = logging.getLogger(__name__)
 # One loop iteration's worth of checks under heavy load, in a write of ~100 KB:
 # larger batches only delay the first command's reply.
 DEFAULT_MAX_BATCH = 512
-# Commands queued or awaiting a reply. At 10k checks/s and a 10 ms timeout, ~100 are
+# Checks queued or awaiting a reply. At 10k checks/s and a 10 ms timeout, ~100 are
 # in flight; the cap only matters when Redis stops answering, and then it turns
 # every further check into an immediate store error instead of a growing backlog.
 DEFAULT_MAX_PENDING = 4096
@@ -104,16 +108,27 @@ def parse_redis_url(url: str, *, tls_ca_file: str | None = None) -> RedisAddress
     )
 
 
+class Waiter(Protocol):
+    """What a command's reply is given to: a future, or an object that answers in the
+    read that brings the reply (`gateway.limiter.check_batches`), as a future's own
+    callbacks would only in the next loop iteration."""
+
+    def done(self) -> bool: ...
+    def set_result(self, result: Any, /) -> None: ...
+    def set_exception(self, exception: BaseException, /) -> None: ...
+
+
 class _Command:
     """One command in the FIFO. `deadline` is set when its batch is written."""
 
-    __slots__ = ("future", "timeout", "deadline", "written_at")
+    __slots__ = ("future", "timeout", "deadline", "written_at", "weight")
 
-    def __init__(self, future: asyncio.Future[Any], timeout: float) -> None:
+    def __init__(self, future: Waiter, timeout: float, weight: int) -> None:
         self.future = future
         self.timeout = timeout
         self.deadline = 0.0
         self.written_at = 0.0
+        self.weight = weight  # the checks it carries, for max_pending
 
 
 class RedisConnection:
@@ -145,6 +160,9 @@ class RedisConnection:
         self._unsent: list[bytes] = []
         self._unsent_commands: list[_Command] = []
         self._waiting: collections.deque[_Command] = collections.deque()
+        self._weight = 0  # the checks of the commands queued or awaiting a reply
+        self._reserved = 0  # checks taken by callers that queue their command in the next write
+        self._before_write: list[Callable[[], None]] = []
         # Deadlines of commands awaiting replies, earliest first; answered ones are
         # dropped lazily when they reach the top.
         self._deadlines: list[tuple[float, int, _Command]] = []
@@ -164,8 +182,8 @@ class RedisConnection:
 
     @property
     def pending(self) -> int:
-        """Commands queued or awaiting a reply, timed-out ones included."""
-        return len(self._unsent_commands) + len(self._waiting)
+        """Checks queued, reserved or awaiting a reply, timed-out ones included."""
+        return self._weight + self._reserved
 
     async def connect(self) -> None:
         """Connect now. On failure raise StoreError, and keep reconnecting in the background."""
@@ -187,22 +205,44 @@ class RedisConnection:
         if self._transport is None:
             self._reconnect_soon()
 
-    def execute(self, *args: Any, timeout: float | None = None) -> asyncio.Future[Any]:
-        """Queue one command; the future resolves to its reply or raises StoreError."""
-        if self._transport is None:
-            self._reconnect_soon()
-            raise StoreNotConnected(f"redis {self.address}: {self._last_error}")
-        if self.pending >= self._max_pending:
-            error = StoreError(f"redis {self.address}: {self.pending} commands already waiting for Redis")
-            self._drop_if_stale()
-            raise error
+    def execute(self, *args: Any, timeout: float | None = None, weight: int = 1, waiter: Waiter | None = None) -> Any:
+        """Queue one command, carrying `weight` checks; the future returned (or `waiter`)
+        is given its reply or a StoreError."""
+        self._refuse_unless_room()
         loop = asyncio.get_running_loop()
-        command = _Command(loop.create_future(), self.timeout if timeout is None else timeout)
+        command = _Command(waiter or loop.create_future(), self.timeout if timeout is None else timeout, weight)
         self._unsent.append(hiredis.pack_command(args))
         self._unsent_commands.append(command)
+        self._weight += weight
         if self._flush_handle is None:
             self._flush_handle = loop.call_soon(self._flush)
         return command.future
+
+    def reserve(self) -> None:
+        """Take a place for one check that a `before_write` callback will send, or raise
+        StoreError at once, as `execute` would. The callback gives it back (`release`)
+        right before it executes the command that carries it."""
+        self._refuse_unless_room()
+        self._reserved += 1
+
+    def release(self, checks: int) -> None:
+        self._reserved -= checks
+
+    def before_write(self, callback: Callable[[], None]) -> None:
+        """Call `callback` at the start of the next write: the commands it executes go out in it."""
+        self._before_write.append(callback)
+        if self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+
+    def _refuse_unless_room(self) -> None:
+        if self._transport is None:
+            self._reconnect_soon()
+            raise StoreNotConnected(f"redis {self.address}: {self._last_error}")
+        pending = self._weight + self._reserved
+        if pending >= self._max_pending:
+            error = StoreError(f"redis {self.address}: {pending} commands already waiting for Redis")
+            self._drop_if_stale()
+            raise error
 
     async def close(self) -> None:
         self._closed = True
@@ -216,6 +256,11 @@ class RedisConnection:
     # -- writing ---------------------------------------------------------------
 
     def _flush(self) -> None:
+        callbacks = self._before_write
+        if callbacks:
+            self._before_write = []
+            for callback in callbacks:  # with the handle still set, what they execute goes out here
+                callback()
         self._flush_handle = None
         transport = self._transport
         if transport is None or not self._unsent:
@@ -256,6 +301,7 @@ class RedisConnection:
                 if not waiting:
                     raise hiredis.ProtocolError("a reply arrived for no command")
                 command = waiting.popleft()
+                self._weight -= command.weight
                 if command.future.done():
                     continue  # timed out or cancelled: read and dropped, in order
                 if isinstance(reply, hiredis.ReplyError):
@@ -401,6 +447,7 @@ class RedisConnection:
         self._waiting.clear()
         self._unsent.clear()
         self._unsent_commands.clear()
+        self._weight = 0
         self._deadlines.clear()
         if self._deadline_handle is not None:
             self._deadline_handle.cancel()

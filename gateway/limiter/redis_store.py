@@ -5,9 +5,10 @@ no interleaving of requests lets a client exceed its limit. Concurrency leases
 are taken by `lua/concurrency_lease.lua` and given up by a plain ZREM, each one
 command on the master of the lease key's slot. A limit with a `lease` takes
 several tokens of one bucket at once (`lua/token_lease.lua`). All buckets of a
-request go into one script call: one round trip, all-or-nothing. Concurrent
-checks share round trips over one pipelined connection
-(`gateway.limiter.redis_connection`). The admin API reads a bucket or an
+request are one check of the script: one round trip, all-or-nothing. The
+checks of one event-loop iteration for one node (on a Cluster, one slot) go
+in one script call (`gateway.limiter.check_batches`), over one pipelined
+connection per node (`gateway.limiter.redis_connection`). The admin API reads a bucket or an
 identity's leases together with Redis's TIME in one EVAL, and resets a bucket
 by DEL and leases by an EVAL that counts the live ones as it deletes them, each
 on the master of the key's slot.
@@ -36,8 +37,9 @@ from gateway.config.loader import redacted_url
 from gateway.config.model import ConcurrencyLimit, Limit, StoreConfig
 from gateway.limiter.keys import bucket_key, identity_digest, lease_key
 from gateway.limiter import redis_cluster, redis_sentinel
+from gateway.limiter.check_batches import CheckBatches
 from gateway.limiter.redis_cluster import RedisCluster, key_slot
-from gateway.limiter.redis_connection import RedisAddress, RedisConnection, RedisReplyError, parse_redis_url
+from gateway.limiter.redis_connection import RedisAddress, RedisConnection, RedisReplyError, Waiter, parse_redis_url
 from gateway.limiter import bucket, quota
 from gateway.limiter.memory_store import lease_reading, reading, spec_of
 from gateway.limiter.store import (
@@ -71,6 +73,9 @@ LEASE_DELETE_SCRIPT = (
 # Formatted script arguments kept, one per limit object, cost and max_delay: far more than a
 # config has. Each reload brings new limit objects, so past this the cache starts over.
 ARGS_CACHE_ENTRIES = 4096
+# Bucket keys kept, one per (limit, identity): a few MB, and more clients than one process
+# sees within a refill period on most deployments; past this the cache starts over.
+KEYS_CACHE_ENTRIES = 65536
 REFUND_SCRIPT_NAME = "token_refund.lua"
 CONCURRENCY_SCRIPT_NAME = "concurrency_lease.lua"
 TOKEN_LEASE_SCRIPT_NAME = "token_lease.lua"
@@ -116,7 +121,9 @@ class RedisStore:
         self._secret_read_at = 0.0
         self._sharing_secret: asyncio.Future[None] | None = None
         self._rereading: asyncio.Future[None] | None = None
-        self._args_cache: dict[tuple[int, int, float], tuple[Limit, bytes, tuple[bytes, bytes, bytes, bytes]]] = {}
+        self._args_cache: dict[tuple[int, int, float], tuple[Limit, tuple[bytes, bytes, bytes, bytes, bytes]]] = {}
+        self._keys_cache: dict[tuple[str, str], str] = {}
+        self._keys_secret: bytes | None = None  # the secret the cached keys were hashed with
         self._lease_args_cache: dict[str, tuple[ConcurrencyLimit, tuple[bytes, bytes]]] = {}
         self._setup_timeout = max(config.timeout, SETUP_TIMEOUT_FLOOR)
         connect_timeout = max(config.timeout * 10, SETUP_TIMEOUT_FLOOR)
@@ -132,7 +139,7 @@ class RedisStore:
             )
         else:
             self._redis = OneNode(config, connect_timeout=connect_timeout)
-            self._execute_on_one = self._redis.connection.execute
+        self._batches = CheckBatches(self._send_checks, self._redis.connection_for, self._recover_checks)
 
     async def start(self) -> None:
         await self._redis.connect()
@@ -159,12 +166,7 @@ class RedisStore:
                     decision = await self._check_slots(checks, keys)
                     break
                 # One Redis: the common case, with no slot to route by.
-                args = self._args(checks)
-                try:
-                    reply = await self._execute_on_one(b"EVALSHA", self._sha, len(keys), *keys, *args)
-                except RedisReplyError as exc:
-                    reply = await self._after_error(exc, self._script, 0, keys, args)
-                decision = _decision(reply)
+                decision = _decision(await self._batches.add(0, keys, self._args(checks)))
                 break
             except _SecretChanged:  # the keys were hashed with the secret of before an empty restart
                 if attempt:
@@ -214,7 +216,7 @@ class RedisStore:
         if self._secret is None:
             await self._share_secret()
         # A leased limit is a bucket that rejects (the config refuses quotas and delays): no debt.
-        _, (capacity, rate, cost, _) = self._script_args(check)
+        _, capacity, rate, cost, _ = self._script_args(check)
         args = (capacity, rate, cost, str(want).encode())
         for attempt in range(2):
             (key,) = self._keys((check,))
@@ -241,7 +243,7 @@ class RedisStore:
         """One bucket, so one slot: `lua/token_refund.lua`, as for a check denied in a later slot."""
         if self._secret is None:
             await self._share_secret()
-        _, (capacity, *_) = self._script_args(check)
+        _, capacity, *_ = self._script_args(check)
         (key,) = self._keys((check,))
         await self._call(self._refund_script, self._refund_sha, key_slot(key), (key,), (capacity, str(tokens).encode()))
 
@@ -277,7 +279,7 @@ class RedisStore:
         for i, key in enumerate(keys):
             slots.setdefault(key_slot(key), []).append(i)
         if len(slots) == 1:
-            return _decision(await self._call(self._script, self._sha, next(iter(slots)), keys, self._args(checks)))
+            return _decision(await self._batches.add(next(iter(slots)), keys, self._args(checks)))
         remaining: list[float | None] = [None] * len(checks)
         resets: list[float | None] = [None] * len(checks)
         charged: list[int] = []
@@ -285,7 +287,7 @@ class RedisStore:
         for slot in sorted(slots):
             indices = slots[slot]
             part = [checks[i] for i in indices]
-            decision = _decision(await self._call(self._script, self._sha, slot, [keys[i] for i in indices], self._args(part)))
+            decision = _decision(await self._batches.add(slot, [keys[i] for i in indices], self._args(part)))
             for i, left, reset in zip(indices, decision.remaining, decision.resets):
                 remaining[i], resets[i] = left, reset
             if not decision.allowed:
@@ -311,7 +313,7 @@ class RedisStore:
                 self._refund_sha,
                 slot,
                 [keys[i] for i in part],
-                [arg for i in part for arg in self._script_args(checks[i])[1][0::2]],  # capacity (or limit), cost
+                [arg for i in part for arg in self._script_args(checks[i])[1::2]],  # capacity (or limit), cost
             )
             for slot, part in slots.items()
         ]
@@ -322,6 +324,19 @@ class RedisStore:
             elif isinstance(outcome, BaseException):
                 raise outcome
 
+    def _send_checks(self, slot: int, keys: list[str], args: list[bytes], batch: Waiter) -> object:
+        """One script call carrying the checks of `batch` (`gateway.limiter.check_batches`):
+        queued now, so it goes in the connection's write under way. One node answers `batch`
+        itself; a Cluster returns an awaitable that follows redirects."""
+        return self._redis.execute(slot, b"EVALSHA", self._sha, len(keys), *keys, *args, weight=len(batch), waiter=batch)
+
+    def _recover_checks(
+        self, error: StoreError, slot: int, keys: list[str], args: list[bytes], checks: int
+    ) -> Awaitable[object] | None:
+        if not isinstance(error, RedisReplyError) or not error.reply.startswith("NOSCRIPT"):
+            return None
+        return self._after_error(error, self._script, slot, keys, args, weight=checks)
+
     async def _call(self, script: bytes, sha: bytes, slot: int, keys: Sequence[str], args: Sequence[bytes]) -> object:
         """EVALSHA, or EVAL when Redis has lost its script cache."""
         try:
@@ -330,7 +345,7 @@ class RedisStore:
             return await self._after_error(exc, script, slot, keys, args)
 
     async def _after_error(
-        self, exc: RedisReplyError, script: bytes, slot: int, keys: Sequence[str], args: Sequence[bytes]
+        self, exc: RedisReplyError, script: bytes, slot: int, keys: Sequence[str], args: Sequence[bytes], *, weight: int = 1
     ) -> object:
         """EVAL after a NOSCRIPT reply to EVALSHA; any other error reply is raised."""
         if not exc.reply.startswith("NOSCRIPT"):
@@ -344,7 +359,7 @@ class RedisStore:
             await self._share_secret()
             if self._secret != secret:
                 raise _SecretChanged(f"{self.description}: the identity secret changed")
-        return await self._redis.execute(slot, b"EVAL", script, len(keys), *keys, *args)
+        return await self._redis.execute(slot, b"EVAL", script, len(keys), *keys, *args, weight=weight)
 
     async def _share_secret(self) -> None:
         """Agree with the fleet on the identity secret kept in Redis, once at a time.
@@ -401,23 +416,31 @@ class RedisStore:
             log.debug("could not re-read the identity secret: %s", exc)
 
     def _keys(self, checks: Sequence[LimitCheck]) -> list[str]:
-        """The bucket of each check: each identity hashed once, even when limits share it."""
+        """The bucket of each check, kept for the last KEYS_CACHE_ENTRIES (limit, identity)
+        pairs of this secret: hashing an identity costs more than the rest of a check."""
         secret = self._secret
         assert secret is not None
-        prefix = self._config.prefix
-        digests: dict[str, str] = {}
+        cache = self._keys_cache
+        if self._keys_secret is not secret:
+            cache.clear()
+            self._keys_secret = secret
         keys = []
         for c in checks:
-            digest = digests.get(c.identity)
-            if digest is None:
-                digest = digests[c.identity] = identity_digest(secret, c.identity)
-            keys.append(bucket_key(prefix, c.limit.name, digest))
+            key = cache.get((c.limit.name, c.identity))
+            if key is None:
+                if len(cache) >= KEYS_CACHE_ENTRIES:
+                    cache.clear()
+                key = bucket_key(self._config.prefix, c.limit.name, identity_digest(secret, c.identity))
+                cache[(c.limit.name, c.identity)] = key
+            keys.append(key)
         return keys
 
-    def _args(self, checks: Sequence[LimitCheck]) -> list[bytes]:
-        """ARGV: the kind of each limit (b: bucket, q: quota), then four values per limit."""
+    def _args(self, checks: Sequence[LimitCheck]) -> Sequence[bytes]:
+        """ARGV of one check: the kind of each limit (b: bucket, q: quota), then four values per limit."""
+        if len(checks) == 1:
+            return self._script_args(checks[0])
         formatted = [self._script_args(c) for c in checks]
-        return [b"".join(kind for kind, _ in formatted), *(arg for _, args in formatted for arg in args)]
+        return [b"".join(argv[0] for argv in formatted), *(arg for argv in formatted for arg in argv[1:])]
 
     def _lease_args(self, limit: ConcurrencyLimit) -> tuple[bytes, bytes]:
         """A concurrency limit's ARGV after the lease id, its N and TTL in ms, formatted once per
@@ -428,8 +451,8 @@ class RedisStore:
             self._lease_args_cache[limit.name] = cached = (limit, args)
         return cached[1]
 
-    def _script_args(self, check: LimitCheck) -> tuple[bytes, tuple[bytes, bytes, bytes, bytes]]:
-        """The kind and ARGV of one limit, formatted once per limit, cost and max_delay: a bucket's
+    def _script_args(self, check: LimitCheck) -> tuple[bytes, bytes, bytes, bytes, bytes]:
+        """The kind and four values of one limit, formatted once per limit, cost and max_delay: a bucket's
         capacity, rate per second, cost and debt (max_delay × rate), or a quota's limit, period,
         cost and offset in ms (`gateway.limiter.memory_store.spec_of`). Keyed by the limit object,
         so a limit a reload replaced is formatted anew."""
@@ -444,21 +467,21 @@ class RedisStore:
                 kind, values = b"b", (spec.capacity, spec.rate, spec.cost, spec.debt)
             if len(self._args_cache) >= ARGS_CACHE_ENTRIES:
                 self._args_cache.clear()  # mostly limits that reloads replaced, kept alive by this cache
-            self._args_cache[key] = cached = (limit, kind, tuple(repr(float(v)).encode() for v in values))
-        return cached[1], cached[2]
+            self._args_cache[key] = cached = (limit, (kind, *(repr(float(v)).encode() for v in values)))
+        return cached[1]
 
 
 def _decision(reply: object) -> StoreDecision:
     """The token-bucket script's reply: {allowed, {remaining, ...}, retry_after_ms, wait_ms, {reset_ms, ...}}."""
     try:
         allowed, remaining, retry_ms, wait_ms, resets = reply  # type: ignore[misc]
-        retry_ms = int(retry_ms)
+        # hiredis gives the script's numbers as ints: compared and divided as they come.
         return StoreDecision(
             allowed=bool(allowed),
-            remaining=tuple(float(r) for r in remaining),
+            remaining=tuple(map(float, remaining)),
             retry_after=float("inf") if retry_ms < 0 else retry_ms / 1000,
-            wait=int(wait_ms) / 1000,
-            resets=tuple(None if int(r) < 0 else int(r) / 1000 for r in resets),
+            wait=wait_ms / 1000,
+            resets=tuple(None if r < 0 else r / 1000 for r in resets),
         )
     except (TypeError, ValueError) as exc:
         raise StoreError(f"unexpected script reply {reply!r}") from exc
@@ -499,8 +522,13 @@ class OneNode:
         await self.connection.connect()
         await self.connection.execute("PING", timeout=max(self.connection.timeout, 0.25))
 
-    def execute(self, slot: int, *args: object, timeout: float | None = None) -> Awaitable[object]:
-        return self.connection.execute(*args, timeout=timeout)
+    def connection_for(self, slot: int) -> RedisConnection:
+        return self.connection
+
+    def execute(
+        self, slot: int, *args: object, timeout: float | None = None, weight: int = 1, waiter: Waiter | None = None
+    ) -> Awaitable[object]:
+        return self.connection.execute(*args, timeout=timeout, weight=weight, waiter=waiter)
 
     async def on_every_master(self, *args: object, timeout: float) -> None:
         await self.connection.execute(*args, timeout=timeout)
