@@ -9,7 +9,7 @@ never drift from what production runs, and production never sees it (only
 - inside it, `redis` is a local table whose `call` passes every command to the
   real `redis.call` and keeps the reply to `TIME`: the very clock the decision
   was made with (a second TIME would read a later one);
-- after it returns, for each key, `INCR KEY:seq` numbers the call per key and
+- after it returns, for each key of each check in the call, `INCR KEY:seq` numbers the decision per key and
   `RPUSH KEY:log` appends {seq, seconds, microseconds, key, capacity, rate,
   cost, allowed, remaining, retry_ms} as JSON (every number the decision used is
   a string there, so nothing is rounded);
@@ -50,12 +50,19 @@ local function shipped()
 end
 
 local reply = shipped()
-for i = 1, #KEYS do
-  local seq = shipped_redis.call('INCR', KEYS[i] .. '%s')
-  shipped_redis.call('RPUSH', KEYS[i] .. '%s', cjson.encode({
-    tostring(seq), decided_at[1], decided_at[2], KEYS[i], ARGV[4 * i - 2], ARGV[4 * i - 1], ARGV[4 * i],
-    tostring(reply[1]), reply[2][i], tostring(reply[3]),
-  }))
+-- One call may carry several checks: walk them as the shipped script does.
+local k, p, r = 1, 1, 0
+while p <= #ARGV do
+  local count = #ARGV[p]
+  for i = 1, count do
+    local key, a = KEYS[k + i - 1], p + 4 * i - 3
+    local seq = shipped_redis.call('INCR', key .. '%s')
+    shipped_redis.call('RPUSH', key .. '%s', cjson.encode({
+      tostring(seq), decided_at[1], decided_at[2], key, ARGV[a], ARGV[a + 1], ARGV[a + 2],
+      tostring(reply[r + 1]), reply[r + 2][i], tostring(reply[r + 3]),
+    }))
+  end
+  k, p, r = k + count, p + 1 + 4 * count, r + 5
 end
 return reply
 """

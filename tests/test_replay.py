@@ -110,7 +110,9 @@ async def test_eight_gateways_decide_exactly_as_the_model_replaying_redis_order(
     )
 
     assert result.mismatches == []
-    assert result.decisions == len(log) == script_calls
+    # Every decision is logged, numbered without a gap; a call may carry several checks.
+    assert result.decisions == len(log) == max(d.seq for d in log)
+    assert 0 < script_calls <= len(log)
     assert set(statuses) <= {200, 429}, statuses
     assert statuses[200] == logged_allows == sum(c["replay", "allow"] for c in counts)
     # The model's count, and every decision, is the script's but for rounding ties (model_check.py).
