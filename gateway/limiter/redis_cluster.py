@@ -165,7 +165,9 @@ class RedisCluster:
     def connection_for(self, slot: int) -> RedisConnection | None:
         """The connection `execute` queues a command of `slot` on at once, if there is one."""
         connection = self._owners[slot]
-        return connection if connection is not None and connection.ever_connected else None
+        # A master that lost its connection goes through execute, whose refusal refreshes the
+        # slot map: a promoted replica is then followed at once, not at the next refresh.
+        return connection if connection is not None and connection.connected else None
 
     def execute(
         self, slot: int, *args: Any, timeout: float | None = None, weight: int = 1, waiter: object = None
