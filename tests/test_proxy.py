@@ -19,7 +19,7 @@ from aiohttp import web
 from yarl import URL
 
 from gateway.testing import running_gateway
-from tests.processes import free_port
+from tests.processes import eventually, free_port
 from tests.raw_client import RAW_TIMEOUT, raw_exchange, values
 from tests.scrape import scrape, value
 from tests.upstream import GZIP_TEXT, serving
@@ -475,3 +475,38 @@ routes:
         async with client.get(gw.url + "/apix") as response:
             await assert_problem(response, 404)
     assert body["title"] == "Not Found"
+
+
+# --- timeout.total ------------------------------------------------------------
+
+
+async def test_timeout_total_bounds_the_wait_for_the_answer_and_the_relay_of_the_body(client):
+    """Before the status line, timeout.total gives 504; once the body has begun, it cuts
+    the client's connection and the upstream's, whatever timeout.read still allows."""
+    streaming: list[asyncio.BaseTransport] = []  # the gateway's connection to the upstream
+    finished = asyncio.Event()  # lets the upstream's held handlers end, so it shuts down at once
+
+    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+        if request.path == "/silent":
+            await finished.wait()  # never answers in time
+        response = web.StreamResponse()
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        await response.write(b"first chunk")
+        streaming.append(request.transport)
+        await finished.wait()  # the rest never comes in time
+        return response
+
+    async with serving(handler) as upstream:
+        async with running_gateway(passthrough_config(upstream, timeout="{total: 300ms, read: 60s}")) as gw:
+            async with client.get(gw.url + "/silent") as response:
+                body = await assert_problem(response, 504)
+            assert "total 0.3 s" in body["detail"]
+            async with client.get(gw.url + "/streaming") as response:
+                assert response.status == 200
+                assert await response.content.readexactly(len(b"first chunk")) == b"first chunk"
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await response.read()
+            # The gateway closed its side: aiohttp's server sees the connection lost.
+            await eventually(lambda: streaming[0].is_closing(), what="the upstream connection to close")
+            finished.set()

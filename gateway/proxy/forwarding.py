@@ -18,6 +18,7 @@ upstream's address stays in the log. Trusts the plans compiled from the config.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 import time
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 # A request body as the client sends it: none, whole, or chunks as they arrive.
 Body = bytes | AsyncIterable[bytes] | None
 _RETRY_AFTER_ONE = {"Retry-After": "1"}  # shared safely: a Response copies the headers it is given
+_UNBOUNDED = contextlib.nullcontext()  # reusable: a route without timeout.total
 
 
 class Upstream:
@@ -141,14 +143,11 @@ def http_attempt(
     """An HTTP request's attempt: send it, and relay the answer as it streams."""
 
     async def attempt(target: TargetPlan, upstream: Upstream, remaining: float | None) -> web.StreamResponse:
-        if remaining is None:
-            return await _exchange(request, plan, target, upstream.client, rest, headers, host, body, length, limit_headers, record)
-        try:
-            async with asyncio.timeout(remaining):  # timeout.total: the whole exchange, body included
-                return await _exchange(request, plan, target, upstream.client, rest, headers, host, body, length, limit_headers, record)
-        except TimeoutError:
-            _count(target, Outcome.TIMEOUT)
-            return problem_response(504, plan.upstream_timeout, headers=limit_headers)
+        # timeout.total bounds the whole exchange, the relay of the body included.
+        deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
+        return await _exchange(
+            request, plan, target, upstream.client, rest, headers, host, body, length, limit_headers, record, deadline
+        )
 
     return attempt
 
@@ -193,13 +192,18 @@ async def _exchange(
     length: int | None,
     limit_headers: dict[str, str],
     record: AccessRecord,
+    deadline: float | None,
 ) -> web.StreamResponse:
     sent = time.perf_counter()
     try:
-        upstream = await client.request(
-            request.method, rest, headers, body, length=length, host=host,
-            connect_timeout=plan.connect_timeout, read_timeout=plan.read_timeout,
-        )
+        async with _until(deadline):
+            upstream = await client.request(
+                request.method, rest, headers, body, length=length, host=host,
+                connect_timeout=plan.connect_timeout, read_timeout=plan.read_timeout,
+            )
+    except TimeoutError:
+        _count(target, Outcome.TIMEOUT)
+        return problem_response(504, plan.upstream_timeout, headers=limit_headers)
     except ConnectFailed as exc:
         _count(target, Outcome.CONNECT_FAILED)
         log.warning("cannot connect to upstream %s: %s", target.where, exc)
@@ -242,8 +246,16 @@ async def _exchange(
             if arrived:
                 await response.write_eof(upstream.take())
                 return response
-            while chunk := await upstream.read():
-                await response.write(chunk)
+            async with _until(deadline):
+                while chunk := await upstream.read():
+                    await response.write(chunk)
+        except TimeoutError:
+            # Past timeout.total with the status line gone: all that is left is to cut the connection.
+            outcome = Outcome.TIMEOUT
+            log.warning("upstream %s passed timeout.total mid-response", target.where)
+            if request.transport is not None:
+                request.transport.close()
+            return response
         except ConnectionResetError:
             return response  # the client went away; the unfinished upstream connection is closed
         except asyncio.CancelledError:
@@ -264,6 +276,10 @@ async def _exchange(
     finally:
         client.release(upstream)
         _count(target, outcome)
+
+
+def _until(deadline: float | None) -> contextlib.AbstractAsyncContextManager[object]:
+    return _UNBOUNDED if deadline is None else asyncio.timeout_at(deadline)
 
 
 class _ConnectFailed(Exception):

@@ -346,7 +346,7 @@ class ProxyHandler:
                     return _body_too_large(plan, limit_headers)
             elif body is not None and not request.content.is_eof():
                 # The body is still arriving: read it ahead before an upstream connection is
-                # taken, so a client that trickles it holds none (issue 8 §3). A body that
+                # taken, so a client that trickles it holds none. A body that
                 # arrived with its head, as most do, skips this.
                 body = await _read_ahead(request.content, REQUEST_BUFFER_BYTES, cap=False)
         except ClientLimitExceeded as exc:
