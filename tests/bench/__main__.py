@@ -51,6 +51,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--connections", type=int, default=DEFAULT_CONNECTIONS, help="wrk connections (default %(default)s)"
     )
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="wrk threads (default %(default)s)")
+    parser.add_argument(
+        "--latency-rate", type=float, default=None,
+        help="req/s of the latency phase (default: half of (a)'s median). The open-loop client and httperf share "
+        "the machine with the gateway: on 2 cores, half of a fast (a) can saturate it, which measures the client",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 round of 1 s, 64 MiB streamed each way")
     args = parser.parse_args(argv)
     args.stream_bytes = GIB
@@ -80,7 +85,7 @@ def run_benchmark(args: argparse.Namespace, tools: dict[str, str]) -> str:
             by_key = {variant.key: server for variant, server in running}
             throughput = measure_throughput(running, load, redis_client, work_dir, rounds=args.rounds)
             decisions = {key: server.limiter_decisions() for key, server in by_key.items() if server.gateway}
-            latency_rate = LATENCY_LOAD_FRACTION * median_rate(throughput["a"])
+            latency_rate = args.latency_rate or LATENCY_LOAD_FRACTION * median_rate(throughput["a"])
             latency = measure_latency(
                 [(variant, server) for variant, server in running if variant.key in LATENCY_VARIANTS],
                 tools["httperf"], rate=latency_rate, rounds=args.rounds, duration=args.duration,
@@ -100,7 +105,8 @@ def run_benchmark(args: argparse.Namespace, tools: dict[str, str]) -> str:
     )
     settings = Settings(
         rounds=args.rounds, duration=args.duration, connections=args.connections, threads=args.threads,
-        latency_rate=latency_rate, stream_bytes=args.stream_bytes,
+        latency_rate=latency_rate, latency_share=latency_rate / median_rate(throughput["a"]),
+        stream_bytes=args.stream_bytes,
     )
     return render(results, settings)
 
