@@ -33,7 +33,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
@@ -57,11 +57,35 @@ IDENTITY_HASH_BYTES = 8
 _TEXT_UNSAFE = re.compile(r'[^\x20\x21\x23-\x5b\x5d-\x7e]+')
 
 
+# Fresh ids are cut from random bytes drawn this many at a time: one getrandom call
+# for 256 requests rather than one each (~1 µs), 4 KiB held.
+IDS_PER_DRAW = 256
+
+
+def _fresh_ids() -> Iterator[str]:
+    while True:
+        drawn = os.urandom(16 * IDS_PER_DRAW).hex()
+        for start in range(0, len(drawn), 32):
+            yield drawn[start : start + 32]
+
+
+_ids = _fresh_ids()
+
+
+def _new_ids_after_fork() -> None:
+    # A forked worker must not hand out the ids its parent had drawn and not yet used.
+    global _ids
+    _ids = _fresh_ids()
+
+
+os.register_at_fork(after_in_child=_new_ids_after_fork)
+
+
 def request_id(sent: str | None) -> str:
     """The id of a request: the client's X-Request-ID when it is a plain token, else 128 random bits in hex."""
     if sent is not None and _REQUEST_ID_RE.fullmatch(sent):
         return sent
-    return os.urandom(16).hex()
+    return next(_ids)
 
 
 class AccessRecord:

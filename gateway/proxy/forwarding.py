@@ -318,7 +318,7 @@ def _next_target(
     if failed is not None:
         return failed
     plan.unavailable(NO_TARGET).inc()
-    return problem_response(503, pool.no_target, headers={**limit_headers, **_RETRY_AFTER_ONE})
+    return pool.no_target.response({**limit_headers, **_RETRY_AFTER_ONE})
 
 
 class _RelayedResponse(web.StreamResponse):

@@ -38,12 +38,11 @@ from gateway.proxy.forwarding import Upstream, forward, http_attempt, websocket_
 from gateway.proxy.header_rewrite import rewrite_headers
 from gateway.proxy.headers import GATEWAY_WRITTEN, add_forwarded, drop_cgi_aliases, end_to_end
 from gateway.proxy.paths import NormalPath, PathRejected, normalize_path
-from gateway.proxy.problem import problem, problem_response
-from gateway.proxy.protocol import request_line_problem
+from gateway.proxy.problem import Answer, problem, problem_response
+from gateway.proxy.protocol import checked_host
 from gateway.proxy.health_checks import HealthChecks
 from gateway.proxy.ratelimit_headers import retry_after_seconds
 from gateway.proxy.route_plan import CONCURRENCY_RETRY_AFTER, Plans, RoutePlan, compile_plans
-from gateway.proxy.routing import request_host
 from gateway.proxy.tiers import held_to, tier_header, with_allowlisted
 from gateway.proxy.upstream_pool import TargetStates
 from gateway.proxy.websocket import is_websocket_upgrade
@@ -61,6 +60,8 @@ STREAM_CHUNK_BYTES = 64 * 1024
 # 1,000 requests reading ahead hold at most ~64 MB.
 REQUEST_BUFFER_BYTES = 64 * 1024
 _RETRY_AFTER_ONE = {"Retry-After": "1"}  # shared safely: a Response copies the headers it is given
+_NO_FIELDS: dict[str, str] = {}  # the rate-limit fields of a route without limits; never written to
+_CONCURRENCY_RETRY_AFTER = {"Retry-After": str(retry_after_seconds(CONCURRENCY_RETRY_AFTER))}
 # nginx's status for a request whose client closed the connection before the answer:
 # logged and counted, never sent, and never a 5xx, which would page someone for a client's choice.
 CLIENT_CLOSED = 499
@@ -155,8 +156,9 @@ class ProxyHandler:
         record = AccessRecord(request_id(request.headers.get("X-Request-ID")), plans.identity, plans.log_secret)
         request[ACCESS_RECORD] = record
         try:
-            response = request_line_problem(request)
-            if response is not None:
+            host = checked_host(request)
+            if not isinstance(host, str):
+                response = host
                 return response
             raw_path = _raw_path(request)
             if raw_path is None:
@@ -177,11 +179,9 @@ class ProxyHandler:
             except PathRejected as exc:
                 response = problem(400, "Bad Request", str(exc))
                 return response
-            plan = plans.router.find(
-                request.method, request_host(request.headers.get("Host", "")), path.match, request.headers, request.rel_url
-            )
+            plan = plans.router.find(request.method, host, path.match, request.headers, request.rel_url)
             if plan is None:
-                response = problem(404, "Not Found", "No route matches this request.")
+                response = plans.not_found.response()
                 return response
             requests = plan.requests
             record.route = plan.label
@@ -191,7 +191,7 @@ class ProxyHandler:
             if self._in_flight > plans.max_in_flight:
                 # Overload, answered at once: neither the limiter nor the upstream hears of it.
                 self._metrics.shed.inc()
-                response = problem_response(503, plans.shed, headers=_RETRY_AFTER_ONE)
+                response = plans.shed.response(_RETRY_AFTER_ONE)
                 return response
             if plan.max_body_size is not None and (request.content_length or 0) > plan.max_body_size:
                 response = _body_too_large(plan)  # the declared length says so: nothing is read or charged
@@ -238,7 +238,7 @@ class ProxyHandler:
         finally:
             if shaping:
                 self._delayed -= 1
-        limit_headers = plan.fields.headers(decision.statuses)
+        limit_headers = plan.fields.headers(decision.statuses) if plan.limits else _NO_FIELDS
         if not decision.allowed:
             self._metrics.limiter_latency.observe(deciding)
             return _rejection(plan, decision, limit_headers)
@@ -367,19 +367,30 @@ class ProxyHandler:
     async def _decide(
         self, request: web.BaseRequest, plan: RoutePlan, identity: ClientIdentity, record: AccessRecord, shaping: bool
     ) -> Decision:
-        if not plan.limits:
+        limits = plan.limits
+        if not limits:
             return UNLIMITED
         client_ip = record.client = identity.client_ip(request)
         identities = identity.identities(request, plan.identity, client_ip)
-        checks = [
-            LimitCheck(limit=lp.limit, identity=who, cost=lp.cost, max_delay=lp.limit.max_delay if shaping else 0.0)
-            for lp, who in zip(plan.limits, identities)
-        ]
+        if shaping:
+            checks = [
+                LimitCheck(limit=lp.limit, identity=who, cost=lp.cost, max_delay=lp.limit.max_delay)
+                for lp, who in zip(limits, identities)
+            ]
+        else:
+            checks = [LimitCheck(limit=lp.limit, identity=who, cost=lp.cost) for lp, who in zip(limits, identities)]
         asked, held = checks, None
         if plan.classified:
             trusted = identity.address(request.remote or "")[1]
-            held = [held_to(c.limit, c.identity, client_ip, tier_header(request, c.limit, trusted)) for c in checks]
-            asked = [dataclasses.replace(c, limit=limit) for c, limit in zip(checks, held) if limit is not None]
+            held = [
+                held_to(c.limit, c.identity, client_ip, tier_header(request, c.limit, trusted)) if lp.classified else c.limit
+                for lp, c in zip(limits, checks)
+            ]
+            asked = [
+                c if limit is c.limit else dataclasses.replace(c, limit=limit)
+                for c, limit in zip(checks, held)
+                if limit is not None
+            ]
         if plan.shadowed:
             decision = await self._limiter.check_with_shadow(asked)
         else:
@@ -387,7 +398,7 @@ class ProxyHandler:
         if held is not None:
             decision = with_allowlisted(decision, checks, held)
         record.checks, record.decision = checks, decision
-        for lp, status in zip(plan.limits, decision.statuses):
+        for lp, status in zip(limits, decision.statuses):
             lp.decisions(status.outcome).inc()
         return decision
 
@@ -458,15 +469,21 @@ def _rejection(plan: RoutePlan, decision: Decision, limit_headers: dict[str, str
     if decision.store_failed:
         names = tuple(s.limit.name for s in decision.statuses if s.outcome == FAIL_CLOSED and not s.limit.shadow)
         return problem_response(503, plan.store_unavailable(names).body(), headers=_RETRY_AFTER_ONE)
-    denied = [(lp, s) for lp, s in zip(plan.limits, decision.statuses) if s.denied and not s.limit.shadow]
-    first = denied[0][0]
-    status = first.limit.response.status
+    statuses = decision.statuses
+    denied = [i for i in plan.enforced if statuses[i].denied]
+    first = plan.limits[denied[0]]
+    rejection = first.rejection
     retry_after = str(retry_after_seconds(decision.retry_after))
-    headers = {**limit_headers, "Retry-After": retry_after}
-    if first.body is not None:
-        return web.Response(status=status, body=retry_after.encode().join(first.body), headers={**headers, **first.headers})
-    names = tuple(s.limit.name for _, s in denied)
-    return problem_response(status, plan.rejection(status, names).body(retry_after), headers=headers)
+    if len(denied) == 1 or first.limit.response.body is not None:
+        body = retry_after.encode().join(rejection.chunks)
+    else:  # the problem names every limit that denied
+        names = tuple(statuses[i].limit.name for i in denied)
+        body = plan.rejection(rejection.status, names).body(retry_after)
+    headers = CIMultiDict(limit_headers)
+    headers[hdrs.RETRY_AFTER] = retry_after
+    headers.extend(rejection.content_type)
+    headers[hdrs.CONTENT_LENGTH] = str(len(body))
+    return Answer(rejection.status, body, headers)
 
 
 def _concurrency_rejection(plan: RoutePlan, admission: Admission, limit_headers: dict[str, str]) -> web.Response:
@@ -474,10 +491,7 @@ def _concurrency_rejection(plan: RoutePlan, admission: Admission, limit_headers:
         names = tuple(s.limit.name for s in admission.statuses if s.outcome == FAIL_CLOSED)
         return problem_response(503, plan.store_unavailable(names).body(), headers=_RETRY_AFTER_ONE)
     refused = next(i for i, s in enumerate(admission.statuses) if s.outcome not in (ALLOW, SKIPPED, FAIL_OPEN))
-    retry_after = str(retry_after_seconds(CONCURRENCY_RETRY_AFTER))
-    return problem_response(
-        429, plan.concurrency[refused].limited, headers={**limit_headers, "Retry-After": retry_after}
-    )
+    return plan.concurrency[refused].limited.response({**limit_headers, **_CONCURRENCY_RETRY_AFTER})
 
 
 def _raw_path(request: web.BaseRequest) -> str | None:

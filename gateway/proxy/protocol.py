@@ -38,6 +38,7 @@ from aiohttp.web_protocol import RequestHandler
 from gateway.bounded_protocol import BoundedRequestHandler, BoundedServer
 from gateway.proxy.headers import unrelayable_coding
 from gateway.proxy.problem import problem
+from gateway.proxy.routing import request_host
 
 log = logging.getLogger("gateway.protocol")
 
@@ -66,19 +67,42 @@ def request_parser() -> str:
     return "llhttp" if web_protocol.HttpRequestParser.__module__ == "aiohttp._http_parser" else "python"
 
 
-def host_problem(request: web.BaseRequest) -> web.Response | None:
-    """A 400 for a request whose Host is not a host (RFC 9112 §3.2): missing on HTTP/1.1,
-    given twice, empty or malformed; None when it is fine. HTTP/1.0 may omit it."""
+# Host values remembered as routes read them, so a returning client's Host costs a dict hit
+# instead of a regular expression and a parse. Bounded, since clients choose the value:
+# when full it starts over. Values past the key length are checked each time, never kept.
+HOST_MEMO_SIZE = 1024
+HOST_MEMO_KEY_CHARS = 128
+_hosts: dict[str, str | None] = {}
+_UNSEEN = object()
+
+
+def routed_host(value: str) -> str | None:
+    """A Host header's value as routes match it (request_host), or None if it is not a
+    valid host[:port] (RFC 9112 §3.2)."""
+    known = _hosts.get(value, _UNSEEN)
+    if known is _UNSEEN:
+        known = request_host(value) if VALID_HOST.fullmatch(value) is not None else None
+        if len(value) <= HOST_MEMO_KEY_CHARS:
+            if len(_hosts) >= HOST_MEMO_SIZE:
+                _hosts.clear()
+            _hosts[value] = known
+    return known  # type: ignore[return-value]
+
+
+def _host(request: web.BaseRequest) -> str | web.Response:
+    """The Host as routes match it ("" for HTTP/1.0 without one), or a 400 for a Host that is
+    not a host: missing on HTTP/1.1, given twice, empty or malformed."""
     hosts = request.headers.getall(hdrs.HOST, ())
     if not hosts:
         if request.version == HttpVersion10:
-            return None
+            return ""
         return problem(400, "Bad Request", "An HTTP/1.1 request needs a Host header.")
     if len(hosts) > 1:
         return problem(400, "Bad Request", "The Host header is given more than once.")
-    if VALID_HOST.fullmatch(hosts[0]) is None:
+    host = routed_host(hosts[0])
+    if host is None:
         return problem(400, "Bad Request", "The Host header is not a valid host[:port].")
-    return None
+    return host
 
 
 def version_problem(request: web.BaseRequest) -> web.Response | None:
@@ -104,9 +128,16 @@ def coding_problem(request: web.BaseRequest) -> web.Response | None:
     return response
 
 
-def request_line_problem(request: web.BaseRequest) -> web.Response | None:
-    """The version, Host and transfer coding checks, in that order: the proxy handler's first step."""
-    return version_problem(request) or host_problem(request) or coding_problem(request)
+def checked_host(request: web.BaseRequest) -> str | web.Response:
+    """The proxy handler's first step: the request's Host as routes match it, or the answer
+    to a request refused for its version, its Host or its transfer coding, checked in that order."""
+    response = version_problem(request)
+    if response is not None:
+        return response
+    host = _host(request)
+    if isinstance(host, str):
+        return coding_problem(request) or host
+    return host
 
 
 class _Request(web.BaseRequest):

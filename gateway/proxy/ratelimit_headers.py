@@ -104,22 +104,32 @@ class RateLimitFields:
         """The fields for a decision's `statuses` (one per limit of the route)."""
         fields: dict[str, str] = {}
         divisor = self.local_divisor
-        chosen = most_restrictive(statuses, self.ietf, divisor)
+        chosen = _chosen(statuses, self.ietf, divisor)
         if chosen is not None:
             if self.varies and not all(a.as_configured(statuses[a.index]) for a in self.ietf):
                 fields["RateLimit-Policy"] = ", ".join(a.policy_for(statuses[a.index], divisor) for a in self.ietf)
             else:
                 fields["RateLimit-Policy"] = self.policy
-            limit, remaining, reset = _state(chosen.applied(statuses[chosen.index], divisor), statuses[chosen.index])
+            status = statuses[chosen.index]
+            limit, remaining, reset = _state(chosen.applied(status, divisor), status)
             fields["RateLimit"] = f'"{limit.name}";r={remaining};t={reset}'
-        if self.x:
-            chosen = most_restrictive(statuses, self.x, divisor)
-            if chosen is not None:
-                limit, remaining, reset = _state(chosen.applied(statuses[chosen.index], divisor), statuses[chosen.index])
-                fields["X-RateLimit-Limit"] = str(math.floor(limit.burst))
-                fields["X-RateLimit-Remaining"] = str(remaining)
-                fields["X-RateLimit-Reset"] = str(reset)
+        chosen = _chosen(statuses, self.x, divisor)
+        if chosen is not None:
+            status = statuses[chosen.index]
+            limit, remaining, reset = _state(chosen.applied(status, divisor), status)
+            fields["X-RateLimit-Limit"] = str(math.floor(limit.burst))
+            fields["X-RateLimit-Remaining"] = str(remaining)
+            fields["X-RateLimit-Reset"] = str(reset)
         return fields
+
+
+def _chosen(statuses: Sequence[LimitStatus], candidates: Sequence[Advertised], local_divisor: int) -> Advertised | None:
+    """most_restrictive, without ranking when there is nothing to rank (most routes' case)."""
+    if len(candidates) > 1:
+        return most_restrictive(statuses, candidates, local_divisor)
+    if candidates and statuses[candidates[0].index].remaining is not None:
+        return candidates[0]
+    return None
 
 
 def most_restrictive(

@@ -4,10 +4,13 @@ Whatever a request needs that depends on the config alone is made here and
 only read per request: each route's metric children (with its label), its
 upstream base URL and timeouts, the prefix it strips, its header rewrites and
 Location rewrite, its rate-limit fields (`gateway.proxy.ratelimit_headers`),
-for each of its limits the identity key and the rejection it answers with
-(status, body template, content type), and for each concurrency limit its
-metric children and 429 body, and for a pool its balancer and each target's
-metric children.
+for each of its limits the identity key, whether it has tiers or an allowlist,
+and the rejection it answers with (status, body split where the seconds go,
+content type), the indices of the limits that are enforced (not shadow), and
+for each concurrency limit its metric children and 429, and for a pool its
+balancer and each target's metric children. The gateway's fixed answers (404,
+the shed 503, a pool's 503, a concurrency 429) are serialised here with their
+headers (`gateway.proxy.problem.Problem`).
 `Plans` holds every plan and every cache keyed by them, so a reload can build
 new ones and swap a single reference.
 
@@ -19,6 +22,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from aiohttp import hdrs
+from multidict import CIMultiDict
 
 from gateway.access_log import PROCESS_LOG_SECRET
 from gateway.config.model import (
@@ -39,7 +45,7 @@ from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics
 from gateway.proxy.client_identity import ClientIdentity, IdentityKey, RouteIdentity
 from gateway.proxy.headers import GATEWAY_WRITTEN, cgi_name
 from gateway.proxy.location import LocationRewrite
-from gateway.proxy.problem import ProblemTemplate, problem_body
+from gateway.proxy.problem import PROBLEM_CONTENT_TYPE, Problem, ProblemTemplate, problem_body
 from gateway.proxy.ratelimit_headers import RateLimitFields, retry_after_seconds
 from gateway.proxy.routing import Router
 from gateway.proxy.upstream_pool import Balancer, TargetState
@@ -48,13 +54,37 @@ _NO_RULES = HeaderRules()  # a route without request_headers or response_headers
 
 
 @dataclass(frozen=True, slots=True)
+class Rejection:
+    """What a request over one limit is answered with: its status, and its body split where
+    the seconds to wait go (the limit's `response.body`, else problem+json naming the limit)."""
+
+    status: int
+    chunks: tuple[bytes, ...]
+    content_type: CIMultiDict[str]  # the one fixed field, written after the varying ones
+
+    @classmethod
+    def of(cls, limit: Limit) -> Rejection:
+        status = limit.response.status
+        if limit.response.body is not None:
+            return cls(status, limit.response.body.chunks(limit.name), _content_type(limit.response.content_type))
+        template = _rejection_template(status, (limit.name,))
+        return cls(status, (template.head, template.tail), _PROBLEM_TYPE)
+
+
+_PROBLEM_TYPE = CIMultiDict({hdrs.CONTENT_TYPE: PROBLEM_CONTENT_TYPE + "; charset=utf-8"})
+
+
+def _content_type(value: str) -> CIMultiDict[str]:
+    return CIMultiDict({hdrs.CONTENT_TYPE: value})
+
+
+@dataclass(frozen=True, slots=True)
 class LimitPlan:
     limit: Limit
     cost: int
     decisions: Children  # gateway_limiter_decisions_total for this route and limit, by decision
-    # `response.body` for this limit, split where the seconds to wait go; None: problem+json.
-    body: tuple[bytes, ...] | None
-    headers: dict[str, str]  # a rejection's fields besides the rate-limit ones: its Content-Type
+    rejection: Rejection  # the answer when this limit denies
+    classified: bool  # the limit has tiers or an allowlist (gateway.proxy.tiers)
 
 
 # Seconds a client refused by a concurrency limit is told to wait. Room comes back when
@@ -67,7 +97,7 @@ class ConcurrencyPlan:
     limit: ConcurrencyLimit
     decisions: Children  # gateway_limiter_decisions_total for this route and limit, by decision
     in_flight: Any  # the gateway_concurrency_in_flight child of this limit
-    limited: bytes  # the 429 body
+    limited: Problem  # the 429
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +157,7 @@ class PoolPlan:
     targets: tuple[TargetPlan, ...]
     balancer: Balancer  # shared by the routes naming the same pool, so they rotate together
     retries: int
-    no_target: bytes  # the 503 body when no target is in rotation
+    no_target: Problem  # the 503 when no target is in rotation
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +177,7 @@ class RoutePlan:
     connect_timeout: float
     read_timeout: float
     limits: tuple[LimitPlan, ...]
+    enforced: tuple[int, ...]  # the indices in `limits` of those that are not shadow limits
     shadowed: bool  # some of the limits are shadow limits, which never reject
     shaping: bool  # some of the limits may delay a request (mode: delay) rather than reject it
     classified: bool  # some of the limits have tiers or an allowlist (gateway.proxy.tiers)
@@ -173,10 +204,7 @@ class RoutePlan:
         """The problem body of a request over `names` (its blank: the seconds to wait), a 429 or a 503."""
         template = self._rejections.get((status, names, False))
         if template is None:
-            listed = ", ".join(repr(name) for name in names)
-            template = self._rejections[(status, names, False)] = ProblemTemplate.of(
-                status, _TITLES[status], f"Rate limit {listed} exceeded; retry in {{}} s.", limits=names
-            )
+            template = self._rejections[(status, names, False)] = _rejection_template(status, names)
         return template
 
     def store_unavailable(self, names: tuple[str, ...]) -> ProblemTemplate:
@@ -192,6 +220,11 @@ class RoutePlan:
 _TITLES = {429: "Too Many Requests", 503: "Service Unavailable"}
 
 
+def _rejection_template(status: int, names: tuple[str, ...]) -> ProblemTemplate:
+    listed = ", ".join(repr(name) for name in names)
+    return ProblemTemplate.of(status, _TITLES[status], f"Rate limit {listed} exceeded; retry in {{}} s.", limits=names)
+
+
 @dataclass(frozen=True, slots=True)
 class Plans:
     """Everything the request path reads, compiled from one config."""
@@ -205,7 +238,8 @@ class Plans:
     pool_targets: tuple[TargetPlan, ...]  # each target of every pool, once
     max_in_flight: int
     max_delayed: int  # requests one worker holds waiting out a mode: delay wait
-    shed: bytes  # the 503 body past max_in_flight
+    shed: Problem  # the 503 past max_in_flight
+    not_found: Problem  # the 404 for a request no route takes
     log_secret: bytes  # keys the identity hashes in the access log: store.key_secret, else PROCESS_LOG_SECRET
 
 
@@ -228,9 +262,10 @@ def compile_plans(config: GatewayConfig, metrics: Metrics, states: Mapping[str, 
         pool_targets=tuple(targets.values()),
         max_in_flight=config.max_in_flight,
         max_delayed=config.max_delayed,
-        shed=problem_body(
+        shed=Problem.of(
             503, "Service Unavailable", "The gateway has as many requests in flight as it takes; retry shortly."
         ),
+        not_found=Problem.of(404, "Not Found", "No route matches this request."),
         log_secret=config.store.key_secret.encode() if config.store and config.store.key_secret else PROCESS_LOG_SECRET,
     )
 
@@ -258,8 +293,11 @@ def _pool_plan(
         targets=tuple(plans),
         balancer=Balancer([p.state for p in plans], [t.weight for t in pool.targets], pool.balance),
         retries=pool.retries,
-        no_target=problem_body(503, "Service Unavailable", "No upstream target is in rotation; retry shortly."),
+        no_target=_NO_TARGET,
     )
+
+
+_NO_TARGET = Problem.of(503, "Service Unavailable", "No upstream target is in rotation; retry shortly.")
 
 
 def _single_pool(url: str) -> PoolPlan:
@@ -273,7 +311,7 @@ def _single_pool(url: str) -> PoolPlan:
         targets=(target,),
         balancer=Balancer([state], [1], Balance.ROUND_ROBIN),
         retries=0,
-        no_target=b"",  # never answered: a target without ejection or health checks stays in rotation
+        no_target=_NO_TARGET,  # never answered: a target without ejection or health checks stays in rotation
     )
 
 
@@ -311,11 +349,12 @@ def _route_plan(
                 limit=rl.limit,
                 cost=rl.cost,
                 decisions=Children(metrics.decisions, ("decision",), route=label, limit=rl.limit.name),
-                body=rl.limit.response.body.chunks(rl.limit.name) if rl.limit.response.body else None,
-                headers={"Content-Type": rl.limit.response.content_type} if rl.limit.response.body else {},
+                rejection=Rejection.of(rl.limit),
+                classified=rl.limit.tiers is not None or rl.limit.allow is not None,
             )
             for rl in route.limits
         ),
+        enforced=tuple(i for i, rl in enumerate(route.limits) if not rl.limit.shadow),
         shadowed=any(rl.limit.shadow for rl in route.limits),
         shaping=any(rl.limit.max_delay for rl in route.limits),
         classified=any(rl.limit.tiers is not None or rl.limit.allow is not None for rl in route.limits),
@@ -362,7 +401,7 @@ def _concurrency_plan(limit: ConcurrencyLimit, label: str, metrics: Metrics) -> 
         limit=limit,
         decisions=Children(metrics.decisions, ("decision",), route=label, limit=limit.name),
         in_flight=metrics.concurrency_in_flight.labels(limit=limit.name),
-        limited=problem_body(
+        limited=Problem.of(
             429,
             "Too Many Requests",
             f"Concurrency limit {limit.name!r} reached: {limit.concurrency} requests already in flight; "
