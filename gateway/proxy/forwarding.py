@@ -34,7 +34,7 @@ from gateway.access_log import AccessRecord
 from gateway.bounded_protocol import ClientLimitExceeded, hung_up
 from gateway.metrics import NO_TARGET, QUEUE_FULL
 from gateway.proxy.header_rewrite import rewrite_headers
-from gateway.proxy.problem import problem, problem_response
+from gateway.proxy.problem import Problem, problem_response
 from gateway.proxy.route_plan import PoolPlan, RoutePlan, TargetPlan
 from gateway.proxy.upstream_client import ConnectFailed, UpstreamClient, UpstreamError, UpstreamTimeout
 from gateway.proxy.upstream_pool import Outcome, retry_allowed
@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 # A request body as the client sends it: none, whole, or chunks as they arrive.
 Body = bytes | AsyncIterable[bytes] | None
 _RETRY_AFTER_ONE = {"Retry-After": "1"}  # shared safely: a Response copies the headers it is given
+_CANNOT_CONNECT = Problem.of(502, "Bad Gateway", "Cannot connect to the upstream.")
+_FAILED = Problem.of(502, "Bad Gateway", "The upstream failed.")
 _UNBOUNDED = contextlib.nullcontext()  # reusable: a route without timeout.total
 
 
@@ -209,7 +211,7 @@ async def _exchange(
         log.warning("cannot connect to upstream %s: %s", target.where, exc)
         if exc.timed_out:
             raise _ConnectFailed(problem_response(504, plan.upstream_timeout, headers=limit_headers)) from None
-        raise _ConnectFailed(problem(502, "Bad Gateway", "Cannot connect to the upstream.", headers=limit_headers)) from None
+        raise _ConnectFailed(_CANNOT_CONNECT.response(limit_headers)) from None
     except UpstreamTimeout:
         _count(target, Outcome.TIMEOUT)
         return problem_response(504, plan.upstream_timeout, headers=limit_headers)
@@ -219,7 +221,7 @@ async def _exchange(
             return stalled.response()  # the client's body stalled (client_body_timeout), not the upstream
         _count(target, Outcome.FAILED)
         log.warning("upstream %s failed: %s", target.where, exc)
-        return problem(502, "Bad Gateway", "The upstream failed.", headers=limit_headers)
+        return _FAILED.response(limit_headers)
     latency = time.perf_counter() - sent
     plan.upstream_latency().observe(latency)
     target.latency.observe(latency)
