@@ -25,6 +25,7 @@ exported from the start by binding it when the plans are compiled.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import time
 from bisect import bisect_left
@@ -108,7 +109,7 @@ class HistogramValue:
         self.sum += amount
 
 
-class PlainMetric:
+class PlainMetric(abc.ABC):
     """A metric family of plain values by label values, read by `collect` at scrape time.
     Binds children as prometheus_client's metrics do (`labels`, `remove`), so `Children`
     and the plans hold either kind alike."""
@@ -123,8 +124,9 @@ class PlainMetric:
         if not self.labelnames:
             self._values[()] = self._new_value()  # shown from the start, as prometheus_client shows one
 
+    @abc.abstractmethod
     def _new_value(self) -> Any:
-        raise NotImplementedError
+        """A fresh value of this kind, at 0."""
 
     def labels(self, **labels: str) -> Any:
         """The value of these label values, made at 0 on first use."""
@@ -140,8 +142,9 @@ class PlainMetric:
         """Drop the series of these label values (in `labelnames` order); KeyError if never bound."""
         del self._values[values]
 
+    @abc.abstractmethod
     def collect(self) -> Iterator[Metric]:
-        raise NotImplementedError
+        """This family with every bound series, as prometheus_client's collectors yield it."""
 
 
 class PlainCounter(PlainMetric):
