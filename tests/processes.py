@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import inspect
+import itertools
 import os
 import re
 import shutil
@@ -59,6 +60,10 @@ async def eventually(predicate, *, what: str, deadline: float = START_DEADLINE) 
     raise AssertionError(f"timed out waiting for {what}")
 
 
+class PortTaken(AssertionError):
+    """A redis-server could not bind the free port chosen for it."""
+
+
 class RedisServer:
     """A private redis-server on a free port, with no persistence.
 
@@ -79,6 +84,9 @@ class RedisServer:
         self._dedicated = dedicated
         self._env = {**os.environ, **env} if env else None
         self._dir = tempfile.mkdtemp(prefix="gateway-test-redis-")
+        self._log = os.path.join(self._dir, "redis.log")
+        self._pick_port = free_port
+        self._started = False
         self.process: subprocess.Popen | None = None
 
     @property
@@ -89,19 +97,33 @@ class RedisServer:
         return redis.Redis(port=self.port, password=self._password, socket_timeout=5, decode_responses=True)
 
     def start(self) -> RedisServer:
-        self.process = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self._dir, "--daemonize", "no", *self._extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self._env,
-        )
-        if self._dedicated:
-            os.sched_setscheduler(self.process.pid, os.SCHED_FIFO, os.sched_param(10))
-        wait_until(self._answers, what=f"redis-server on port {self.port}")
+        """Start it; the first start moves to another free port while the chosen one was
+        taken meanwhile (free ports are picked by closing a socket, so another test's
+        process can take one first). A restart keeps its port, as a restarted Redis does."""
+        for attempt in itertools.count():
+            self.process = subprocess.Popen(
+                [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", self._dir, "--logfile", self._log, "--daemonize", "no", *self._extra],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self._env,
+            )
+            if self._dedicated:
+                os.sched_setscheduler(self.process.pid, os.SCHED_FIFO, os.sched_param(10))
+            try:
+                wait_until(self._answers, what=f"redis-server on port {self.port}")
+                break
+            except PortTaken:
+                if self._started or attempt >= 4:
+                    raise
+                self.port = self._pick_port()
+        self._started = True
         return self
 
     def _answers(self) -> bool:
         assert self.process is not None
         if self.process.poll() is not None:
+            with open(self._log, errors="replace") as log:
+                if "Address already in use" in log.read():
+                    raise PortTaken(f"port {self.port} was taken before redis-server bound it")
             raise AssertionError(f"redis-server on port {self.port} exited with {self.process.returncode}")
         try:
             return bool(redis.Redis(port=self.port, password=self._password, socket_timeout=0.2).ping())
@@ -162,6 +184,7 @@ class RedisCluster:
                 *auth, dedicated=dedicated, password=password,
             )
             node.port = free_cluster_port()
+            node._pick_port = free_cluster_port
             self.nodes.append(node)
         self._masters = masters
 
