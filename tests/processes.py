@@ -20,8 +20,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import redis
 import yaml

@@ -7,6 +7,7 @@ RateLimit-Policy) or by the path the echo upstream saw."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import aiohttp
@@ -389,6 +390,41 @@ def test_covers_reports_only_certain_shadowing(earlier, later, shadows):
 def test_shadowed_names_each_unreachable_route_once_with_the_first_route_that_hides_it():
     routes = config_from_yaml(ROUTER_CONFIG).routes
     assert shadowed(routes) == [(3, 2)]  # /api/reports after /api/
+
+
+SHADOW_SPECS = [
+    "{path: /}", "{path: /api}", "{path: /api/reports}", "{path: /apix}", "{exact: /api}", "{exact: /api/x}",
+    "{path: /API, case_sensitive: false}", "{path: /api/X, case_sensitive: false}", "{regex: '/api/.*'}",
+    "{regex: '/a/[0-9]+'}", "{exact: /a/42}", "{path: /a}", "{path: /api, methods: [GET]}",
+    "{path: /api/x, headers: {X-A: '1'}}", "{path: /api, host: '*.example.com'}", "{path: /api/x, host: a.example.com}",
+    "{path: /, case_sensitive: false}", "{exact: /API/X, case_sensitive: false}",
+]
+
+
+def test_shadowed_finds_what_comparing_every_pair_of_routes_finds():
+    """`shadowed` looks up only the routes that could cover each one; the pairs it reports
+    are those a comparison of every later route with every earlier one reports."""
+
+    def every_pair(routes):
+        pairs = []
+        for later in range(len(routes)):
+            first = next((e for e in range(later) if covers(routes[e].match, routes[later].match)), None)
+            if first is not None:
+                pairs.append((later, first))
+        return pairs
+
+    class Route:
+        def __init__(self, spec):
+            self.match = match_of(spec)
+
+    pool = [Route(spec) for spec in SHADOW_SPECS]
+    randomness = random.Random(7)
+    found = 0
+    for _ in range(300):
+        routes = randomness.choices(pool, k=randomness.randint(1, 12))
+        assert shadowed(routes) == every_pair(routes), [r.match for r in routes]
+        found += bool(every_pair(routes))
+    assert found > 100  # the lists do shadow one another, often
 
 
 # --- the same, through the gateway ----------------------------------------------------------
