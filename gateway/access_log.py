@@ -55,6 +55,10 @@ IDENTITY_HASH_BYTES = 8
 # non-ASCII byte, U+2028 and U+0085 among them, which some readers take for line breaks)
 # becomes \xHH per byte, as nginx writes it, so no field can end early or forge another.
 _TEXT_UNSAFE = re.compile(r'[^\x20\x21\x23-\x5b\x5d-\x7e]+')
+# A byte that is not UTF-8 arrives as a lone surrogate (surrogateescape), which json.dumps
+# writes as "\udcff": valid to Python, refused by strict parsers (Perl's JSON::PP), so a
+# shipper may drop the line. A JSON line writes such bytes as \xHH, as a text line does.
+_SURROGATES = re.compile("[\ud800-\udfff]+")
 
 
 # Fresh ids are cut from random bytes drawn this many at a time: one getrandom call
@@ -215,6 +219,22 @@ def _escaped(value: object) -> str:
     return _TEXT_UNSAFE.sub(_hex_bytes, str(value))
 
 
+def _undecodable_bytes(unsafe: re.Match[str]) -> str:
+    # surrogatepass for a surrogate no byte became (none arrives today): never a traceback.
+    return "".join(
+        f"\\x{byte:02X}"
+        for char in unsafe.group()
+        for byte in char.encode("utf-8", "surrogateescape" if "\udc80" <= char <= "\udcff" else "surrogatepass")
+    )
+
+
+def _json_text(value: str | None) -> str | None:
+    """A client's text for a JSON line: its undecodable bytes as \\xHH (see _SURROGATES)."""
+    if value is None or value.isascii():
+        return value
+    return _SURROGATES.sub(_undecodable_bytes, value)
+
+
 class TextAccessLogger(AbstractAccessLogger):
     def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
         f = _fields(request, response, time)
@@ -231,7 +251,14 @@ class TextAccessLogger(AbstractAccessLogger):
 
 class JsonAccessLogger(AbstractAccessLogger):
     def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
-        self.logger.info(json.dumps(_fields(request, response, time)))
+        fields = _fields(request, response, time)
+        for name in _CLIENT_TEXT:
+            fields[name] = _json_text(fields[name])  # type: ignore[arg-type]
+        self.logger.info(json.dumps(fields))
+
+
+# The fields whose text the client chose, byte for byte; the rest are numbers, addresses or config.
+_CLIENT_TEXT = ("method", "path", "user_agent")
 
 
 ACCESS_LOG_FORMATS = {"text": TextAccessLogger, "json": JsonAccessLogger}

@@ -3,7 +3,9 @@
 Trusts whoever can reach it, unless `admin_token_env` names a bearer token: then
 every path but /healthz answers 401 without it, and the token is compared in
 constant time. /healthz says only that the process is alive and stays open to
-probes. Bind it to a private address (the default is 127.0.0.1:9090).
+probes. Bind it to a private address (the default is 127.0.0.1:9090). Against DNS
+rebinding, only a Host that names the listener by address, `localhost` or a name in
+`admin_hosts` is answered, and a foreign Origin cannot change state (gateway.admin_hosts).
 
 The admin API (JSON; errors as problem+json):
 - `GET /buckets/{limit}?value=V[&source=S][&tier=T]`: the bucket of one client, named
@@ -48,6 +50,7 @@ from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import __version__
+from gateway.admin_hosts import host_guard
 from gateway.config.body_template import BodyTemplate
 from gateway.config.loader import redacted_url
 from gateway.config.model import (
@@ -112,7 +115,8 @@ def admin_app(
     async def without_banner(_: web.Request, response: web.StreamResponse) -> None:
         response.headers.popall(hdrs.SERVER, None)  # aiohttp's `Python/3.11 aiohttp/X.Y.Z`
 
-    middlewares = [_bearer_token(config.admin_token)] if config.admin_token else []
+    # The Host check comes first: a rebound page must not even learn whether a token is needed.
+    middlewares = [host_guard(config.admin_hosts), *([_bearer_token(config.admin_token)] if config.admin_token else [])]
     app = web.Application(middlewares=middlewares)
     app.on_response_prepare.append(without_banner)
     app.router.add_get("/healthz", healthz)

@@ -32,6 +32,7 @@ RESTART_SETTINGS: tuple[tuple[str, Callable[[GatewayConfig], object]], ...] = (
     ("listen.tls", lambda config: config.listen_tls is not None),
     ("admin_listen", attrgetter("admin_listen")),
     ("admin_token_env", attrgetter("admin_token")),
+    ("admin_hosts", attrgetter("admin_hosts")),
     ("workers", attrgetter("workers")),
     ("store", attrgetter("store")),
     ("client_header_timeout", attrgetter("clients.header_timeout")),

@@ -260,7 +260,35 @@ async def test_hostile_request_targets_and_user_agents_stay_one_unforgeable_line
             logged_line, logged_agent = match.group(1), match.group(3)
             logged_line, logged_agent = unescaped(logged_line).decode(), unescaped(logged_agent).decode("utf-8", "surrogateescape")
         assert logged_line == sent_line.decode().partition("?")[0] + ("?q=***" if b"?" in sent_line else "")
+        if fmt == "json":
+            agent = agent.replace(b"\xff\xfe", b"\\xFF\\xFE")  # undecodable bytes as the text line writes them
         assert logged_agent == agent.decode("utf-8", "surrogateescape")
+
+
+def strictly_json(line: str) -> dict:
+    """`line` parsed as a strict reader parses it: UTF-8, and no lone surrogate in any string."""
+    line.encode("utf-8", "strict")
+    record = json.loads(line)
+    strings = [v for v in record.values() if isinstance(v, str)]
+    assert not any("\ud800" <= char <= "\udfff" for text in strings for char in text), record
+    json.dumps(record, ensure_ascii=False).encode("utf-8", "strict")
+    return record
+
+
+async def test_undecodable_bytes_in_a_json_line_are_escaped_as_in_a_text_line(upstream):
+    agent = b"probe/1 \xff \xc0\xaf ok \xc3\xa9"  # \xff and \xc0\xaf are not UTF-8; \xc3\xa9 is
+    request = b"GET /echo/x HTTP/1.1\r\nHost: gw\r\nUser-Agent: " + agent + b"\r\nConnection: close\r\n\r\n"
+    logged = {}
+    for fmt in ("json", "text"):
+        with GatewayProcess(logged_yaml(upstream), args=("--access-log", fmt)) as gw:
+            assert (await raw_exchange(gw.url, request))[0] == 200
+            assert await asyncio.to_thread(gw.stop) == 0
+        (logged[fmt],) = gw.stdout_lines
+    record = strictly_json(logged["json"])
+    assert record["user_agent"] == "probe/1 \\xFF \\xC0\\xAF ok é"
+    match = TEXT_LINE.fullmatch(logged["text"].rstrip("\n"))
+    assert match is not None, logged["text"]
+    assert match.group(3) == "probe/1 \\xFF \\xC0\\xAF ok \\xC3\\xA9"  # the same escape; the text line escapes é too
 
 
 # The gateway answers /nowhere itself (404), so requests come quickly and need no upstream.

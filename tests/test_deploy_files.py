@@ -73,6 +73,13 @@ def container_config(objects: dict[str, dict[str, Any]]) -> GatewayConfig:
     return gateway_config(text, "configmap.yaml", environ)
 
 
+async def admin_status(config: GatewayConfig, path: str, host: str) -> int:
+    """The status `config`'s admin listener answers a GET of `path` with, sent with `host` as Host."""
+    async with TestClient(TestServer(Gateway(config).admin_app)) as client:
+        async with client.get(path, headers={"Host": host}) as response:
+            return response.status
+
+
 @pytest.fixture
 async def probe_paths() -> dict[str, Any]:
     """The admin listener's paths, and which of them are the liveness and the readiness
@@ -157,6 +164,9 @@ async def test_the_kubernetes_deployment_probes_the_admin_listener_on_the_gatewa
     annotations = objects["Deployment"]["spec"]["template"]["metadata"]["annotations"]
     assert int(annotations["prometheus.io/port"]) == ADMIN_PORT
     assert annotations["prometheus.io/path"] in probe_paths["routes"]
+    # Kubelet and an annotation-driven Prometheus both name the pod by its IP in Host.
+    for path in (annotations["prometheus.io/path"], probe_paths["liveness"]):
+        assert await admin_status(container_config(objects), path, f"10.244.1.7:{ADMIN_PORT}") == 200
     (service_port,) = objects["Service"]["spec"]["ports"]
     assert service_port["targetPort"] == "http"
     policy_ports = {p["port"] for rule in objects["NetworkPolicy"]["spec"]["ingress"] for p in rule["ports"]}
@@ -263,6 +273,8 @@ async def test_compose_prometheus_scrapes_the_admin_listeners_metrics_and_grafan
     (target,) = job["static_configs"][0]["targets"]
     host, port = target.split(":")
     assert host in services and int(port) == ADMIN_PORT
+    # Prometheus sends Host: gateway:9090, a name the admin listener must be told it has.
+    assert await admin_status(mounted_config(DEPLOY / "docker-compose.yml"), job["metrics_path"], target) == 200
     for rule_file in scrape["rule_files"]:
         assert (DEPLOY / "prometheus" / rule_file).exists()
     # Prometheus and Grafana mount what they are told to read.

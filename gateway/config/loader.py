@@ -377,7 +377,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         optional=(
             "listen", "admin_listen", "workers", "max_in_flight", "store", "trusted_proxies", "limits",
             "shutdown_grace", "forwarded_headers", "jwt", "path_normalization", "admin_token_env",
-            "admin_raw_identities",
+            "admin_raw_identities", "admin_hosts",
             "client_header_timeout", "client_body_timeout", "keepalive_timeout", "keepalive_requests",
             "max_header_size", "upstream_connections", "access_log", "response", "max_delayed", "client_ip",
         ),
@@ -456,6 +456,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         listen_tls=listen_tls,
         admin_token=_admin_token(top.get("admin_token_env"), r, environ),
         admin_raw_identities=r.boolean(top.get("admin_raw_identities", False), "admin_raw_identities"),
+        admin_hosts=_admin_hosts(top.get("admin_hosts", []), r),
         access_log=_access_log(top.get("access_log", False), r),
         clients=ClientLimits(
             header_timeout=r.parsed(
@@ -505,6 +506,17 @@ def _listen(doc: Any, r: _Reader) -> tuple[Address, ListenTls | None]:
     except OSError as exc:
         r.fail("listen.tls", f"cannot load the certificate and key: {exc.strerror or exc}")
     return address, listen_tls
+
+
+def _admin_hosts(value: Any, r: _Reader) -> frozenset[str]:
+    """The names the admin listener answers to besides IP literals and localhost."""
+    names = set()
+    for i, item in enumerate(r.sequence(value, "admin_hosts")):
+        name = r.string(item, f"admin_hosts[{i}]").lower().removesuffix(".")
+        if not _HOST_RE.match(name) or name.startswith("["):
+            r.fail(f"admin_hosts[{i}]", f"expected a host name without a port, got {item!r}")
+        names.add(name)
+    return frozenset(names)
 
 
 def _admin_token(name: Any, r: _Reader, environ: Mapping[str, str]) -> str | None:

@@ -43,6 +43,7 @@ from gateway.proxy.protocol import checked_host
 from gateway.proxy.health_checks import HealthChecks
 from gateway.proxy.ratelimit_headers import retry_after_seconds
 from gateway.proxy.route_plan import CONCURRENCY_RETRY_AFTER, Plans, RoutePlan, compile_plans
+from gateway.proxy.routing import ConditionRejected
 from gateway.proxy.tiers import held_to, tier_header, with_allowlisted
 from gateway.proxy.upstream_pool import TargetStates
 from gateway.proxy.websocket import is_websocket_upgrade
@@ -179,7 +180,11 @@ class ProxyHandler:
             except PathRejected as exc:
                 response = problem(400, "Bad Request", str(exc))
                 return response
-            plan = plans.router.find(request.method, host, path.match, request.headers, request.rel_url)
+            try:
+                plan = plans.router.find(request.method, host, path.match, request.headers, request.rel_url)
+            except ConditionRejected as exc:
+                response = problem(400, "Bad Request", str(exc))
+                return response
             if plan is None:
                 response = plans.not_found.response()
                 return response

@@ -339,7 +339,7 @@ def _route_plan(
         request_headers=route.request_headers if route.request_headers != _NO_RULES else None,
         response_headers=route.response_headers if route.response_headers != _NO_RULES else None,
         cgi_written=_cgi_written(route.request_headers),
-        locations=LocationRewrite.of(addresses, route.match.path if stripped else None),
+        locations=LocationRewrite.of(addresses, route.match.path if stripped else None, route.match.host),
         preserve_host=route.preserve_host,
         allow_path_parameters=route.allow_path_parameters,
         connect_timeout=timeout.connect,

@@ -13,10 +13,18 @@ lower, so it errs towards taking the limited route).
 `host: *.example.com` takes any name of one or more labels under example.com
 (`a.example.com`, `a.b.example.com`), never `example.com` itself, as Envoy's
 and nginx's suffix wildcards and the Kubernetes Gateway API do. A header
-condition reads all lines of that header joined by ", " (RFC 9110 §5.3); a
-query condition reads the parameter's first value, decoded. Both are what the
-client chose to send, so a route they select should not be more lenient than
-the route the client would take without them.
+condition reads that header's one line, a query condition the parameter's one
+value, decoded. Both are what the client chose to send, so a route they select
+should not be more lenient than the route the client would take without them;
+and what a condition matched must be exactly what the upstream receives. So,
+as for identity sources (gateway.proxy.client_identity), a header or query
+parameter a condition reads is refused with 400 (ConditionRejected) when it is
+given twice (first-value and last-value readers would see different values
+from the gateway's), when it holds characters outside visible ASCII (the
+header writer drops bytes it cannot encode, so `\x801` reached the upstream as
+`1`), when Connection names it or another line's name reads as it under CGI
+rules (`X_Debug`), or when a server that splits queries on ";" would read it
+otherwise (`?x=0;debug=1`). Only conditions that are evaluated judge anything.
 
 Everything a route's match needs is formed once, when the Router is built; a
 plain prefix route costs what it did before the other forms existed.
@@ -25,6 +33,7 @@ plain prefix route costs what it did before the other forms existed.
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
@@ -32,8 +41,14 @@ from multidict import CIMultiDict, CIMultiDictProxy, MultiMapping
 from yarl import URL
 
 from gateway.config.model import Match, PathForm, ValueMatch
+from gateway.proxy.headers import cgi_name
 
 WILDCARD = "*."
+
+
+class ConditionRejected(ValueError):
+    """A header or query parameter a route's condition reads could reach the upstream as
+    another value; the request is answered 400. The message names config, never client bytes."""
 
 
 class Matchable(Protocol):
@@ -47,6 +62,7 @@ R = TypeVar("R", bound=Matchable)
 _Condition = Callable[[str, str, MultiMapping[str], URL], bool]
 _NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
 _NO_TARGET = URL("/")
+_CHOSEN = "a route is chosen by it, and the upstream could read it otherwise"
 
 
 class Router(Generic[R]):
@@ -153,17 +169,64 @@ def _value_fits(condition: ValueMatch) -> Callable[[str | None], bool]:
 
 def _header_condition(condition: ValueMatch) -> _Condition:
     name, fits = condition.name, _value_fits(condition)
+    alias = cgi_name(name)
 
     def header(host: str, path: str, headers: MultiMapping[str], target: URL) -> bool:
         lines = headers.getall(name, ())
-        return fits(", ".join(lines) if lines else None)
+        if len(lines) > 1:
+            raise ConditionRejected(f"The {name} header appears more than once; {_CHOSEN}.")
+        value = lines[0] if lines else None
+        if value and not _visible(value):
+            raise ConditionRejected(f"The {name} header has characters outside visible ASCII; {_CHOSEN}.")
+        if "Connection" in headers and any(
+            token.strip().lower() == name for line in headers.getall("Connection") for token in line.split(",")
+        ):
+            raise ConditionRejected(f"The Connection header names {name}; {_CHOSEN}.")
+        if any("_" in n and cgi_name(n) == alias and n.lower() != name for n in headers.keys()):
+            raise ConditionRejected(f"A header's name reads as {name} under CGI rules (`_` for `-`); {_CHOSEN}.")
+        return fits(value)
 
     return header
 
 
 def _query_condition(condition: ValueMatch) -> _Condition:
     name, fits = condition.name, _value_fits(condition)
-    return lambda host, path, headers, target: fits(target.query.get(name))
+    shown = f"The query parameter {name!r}"
+
+    def query(host: str, path: str, headers: MultiMapping[str], target: URL) -> bool:
+        raw = target.raw_query_string
+        if not raw:
+            return fits(None)
+        if not _visible(raw) or " " in raw:
+            # Raw bytes outside ASCII are re-encoded on the way out, and may name `name` there.
+            raise ConditionRejected(f"The query string has characters outside visible ASCII; {_CHOSEN}.")
+        if ";" in raw and _named_after_semicolon(raw, name):
+            # Rack 2 and Python's parse_qs before 3.9.2 split on ";" too: `x=0;debug=1` names debug.
+            raise ConditionRejected(f"{shown} follows a ';', which some servers split queries on; {_CHOSEN}.")
+        values = target.query.getall(name, ())
+        if len(values) > 1:
+            raise ConditionRejected(f"{shown} appears more than once; {_CHOSEN}.")
+        value = values[0] if values else None
+        if value and (";" in value or not _visible(value)):
+            raise ConditionRejected(f"{shown} holds ';' or characters outside visible ASCII; {_CHOSEN}.")
+        return fits(value)
+
+    return query
+
+
+def _visible(value: str) -> bool:
+    """Non-empty `value` is visible ASCII, spaces only inside: read by the upstream as by us
+    (the same rule as client_identity's, which imports this module)."""
+    return value.isascii() and value.isprintable() and value[0] != " " and value[-1] != " "
+
+
+def _named_after_semicolon(query: str, name: str) -> bool:
+    """Whether a parameter called `name` follows a ";" in the raw `query`."""
+    return any(
+        urllib.parse.unquote_plus(piece.partition("=")[0]) == name
+        for pair in query.split("&")
+        for piece in pair.split(";")[1:]
+    )
 
 
 # --- shadowing, for `gateway check` ---------------------------------------------------
