@@ -74,7 +74,8 @@ class Upstream:
                 cookie_jar=aiohttp.DummyCookieJar(),
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
                 trust_env=False,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=key[0], sock_read=key[1]),
+                # `connect` bounds the host name's lookup too, as timeout.connect does for HTTP.
+                timeout=aiohttp.ClientTimeout(total=None, connect=key[0], sock_connect=key[0], sock_read=key[1]),
             )
         return session
 
