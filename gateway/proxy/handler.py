@@ -45,7 +45,7 @@ from gateway.proxy.ratelimit_headers import retry_after_seconds
 from gateway.proxy.route_plan import CONCURRENCY_RETRY_AFTER, Plans, RoutePlan, compile_plans
 from gateway.proxy.tiers import held_to, tier_header, with_allowlisted
 from gateway.proxy.upstream_pool import TargetStates
-from gateway.proxy.websocket import is_websocket_upgrade
+from gateway.proxy.websocket import ClientLeft, is_websocket_upgrade
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +309,10 @@ class ProxyHandler:
         if is_websocket_upgrade(request):
             # A WebSocket's end is its own close frame or connection, handled by its relay.
             attempt = websocket_attempt(request, plan, rest, headers, limit_headers, record)
-            return await forward(plan, self._upstreams, attempt, limit_headers, record)
+            try:
+                return await forward(plan, self._upstreams, attempt, limit_headers, record)
+            except ClientLeft:
+                return self._client_closed(plan)  # while its handshake waited for the upstream
         # From here on, a client that hangs up cancels this task: the upstream request is
         # abandoned rather than finished for nobody (see gateway.bounded_protocol).
         request[CANCEL_ON_HANGUP] = asyncio.current_task()  # type: ignore[assignment]
