@@ -395,6 +395,38 @@ async def test_open_websockets_and_requests_share_the_upstreams_connections(upst
         assert value(samples, "gateway_upstream_unavailable_total", reason="queue_full") == 2
 
 
+async def test_open_websockets_on_one_route_leave_another_route_of_their_upstream_a_bounded_503(upstream):
+    """At the default timeout.queue (1 s), 20 WebSockets holding all of an upstream's 20
+    connections: a GET on another route to the same upstream, and a 21st handshake, each
+    get their 503 instead of waiting for a WebSocket to close. The client's own timeout
+    only keeps a hang from hanging the test."""
+    config = f"""
+upstream_connections: 20
+routes:
+  - match: {{path: /ws}}
+    upstream: {upstream}
+  - match: {{path: /echo}}
+    upstream: {upstream}
+"""
+    bounded = aiohttp.ClientTimeout(total=RAW_TIMEOUT)
+    async with running_gateway(config) as gw, aiohttp.ClientSession(timeout=bounded) as client:
+        sockets = [await client.ws_connect(gw.url + "/ws", protocols=("chat",)) for _ in range(20)]
+        try:
+            async with client.get(gw.url + "/echo/plain") as response:
+                body = await assert_problem(response, 503)
+            assert "No connection to the upstream came free within 1 s" in body["detail"]
+            assert response.headers["Retry-After"] == "1"
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await client.ws_connect(gw.url + "/ws", protocols=("chat",))
+            assert refused.value.status == 503
+            await sockets.pop().close()
+            async with client.get(gw.url + "/echo/plain") as response:
+                assert response.status == 200
+        finally:
+            for ws in sockets:
+                await ws.close()
+
+
 async def test_the_websocket_handshake_response_carries_the_ratelimit_headers(upstream):
     request = (
         b"GET /ws HTTP/1.1\r\nHost: gw\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"

@@ -458,6 +458,17 @@ async def test_url_base_path_and_user_information_reach_the_upstream() -> None:
         ]
 
 
+async def test_the_urls_user_information_replaces_the_requests_authorization() -> None:
+    headers = CIMultiDict([("authorization", "Bearer client"), ("X-One", "1"), ("Authorization", "Basic bWU6eA==")])
+    async with RawUpstream(OK) as upstream:
+        with contextlib.closing(UpstreamClient(f"http://alice:pw@127.0.0.1:{upstream.port}", None)) as client:
+            assert await fetch(client, "GET", "/", headers=headers) == (200, b"ok")
+        credentials = base64.b64encode(b"alice:pw")
+        assert upstream.requests == [
+            b"GET / HTTP/1.1\r\n%sX-One: 1\r\nAuthorization: Basic %s\r\n\r\n" % (authority(upstream), credentials)
+        ]
+
+
 def test_default_port_is_left_out_of_the_host_header() -> None:
     assert upstream_client.Endpoint.of("http://example.com:80/", None).authority == "example.com"
     assert upstream_client.Endpoint.of("https://example.com/", None).authority == "example.com"

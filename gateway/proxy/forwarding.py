@@ -59,6 +59,11 @@ class Upstream:
         self.url = url
         self.slots = UpstreamSlots(connections)
         self.client = UpstreamClient(url, tls)
+        # aiohttp's ws_connect refuses an Authorization header beside credentials in its URL
+        # (a ValueError, so a 500): handshakes go to the URL without them, and the URL's
+        # credentials as the header, replacing the client's as they do for HTTP requests.
+        self.ws_base = str(URL(url).with_user(None))
+        self.ws_authorization = self.client.endpoint.authorization
         # By (connect timeout, read timeout): ws_connect takes no ClientTimeout, so each
         # route's timeouts need a session of their own to bound the handshake.
         self._ws_sessions: dict[tuple[float, float], aiohttp.ClientSession] = {}
@@ -74,7 +79,8 @@ class Upstream:
                 cookie_jar=aiohttp.DummyCookieJar(),
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
                 trust_env=False,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=key[0], sock_read=key[1]),
+                # `connect` bounds the host name's lookup too, as timeout.connect does for HTTP.
+                timeout=aiohttp.ClientTimeout(total=None, connect=key[0], sock_connect=key[0], sock_read=key[1]),
             )
         return session
 
@@ -169,9 +175,13 @@ def websocket_attempt(
             target.latency.observe(latency)
             record.upstream_status, record.upstream_ms = status, round(latency * 1000, 3)
 
+        sent = headers
+        if upstream.ws_authorization is not None:
+            sent = headers.copy()  # another target of the pool may have no credentials of its own
+            sent[hdrs.AUTHORIZATION] = upstream.ws_authorization
         try:
             return await proxy_websocket(
-                request, upstream.ws_session(plan), URL(target.url + rest, encoded=True), headers, ws_headers,
+                request, upstream.ws_session(plan), URL(upstream.ws_base + rest, encoded=True), sent, ws_headers,
                 timed_out, answered, opened=lambda: _count(target, Outcome.ANSWERED),
             )
         except WebSocketConnectFailed as exc:

@@ -46,7 +46,7 @@ from gateway.proxy.route_plan import CONCURRENCY_RETRY_AFTER, Plans, RoutePlan, 
 from gateway.proxy.routing import ConditionRejected
 from gateway.proxy.tiers import held_to, tier_header, with_allowlisted
 from gateway.proxy.upstream_pool import TargetStates
-from gateway.proxy.websocket import is_websocket_upgrade
+from gateway.proxy.websocket import ClientLeft, is_websocket_upgrade
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +201,9 @@ class ProxyHandler:
             if plan.max_body_size is not None and (request.content_length or 0) > plan.max_body_size:
                 response = _body_too_large(plan)  # the declared length says so: nothing is read or charged
                 return response
+            if (request.body_exists or request.method != "GET") and is_websocket_upgrade(request):
+                response = _not_a_handshake()
+                return response
             response = await self._limited(request, plan, plans, path, record)
             return response
         finally:
@@ -311,7 +314,10 @@ class ProxyHandler:
         if is_websocket_upgrade(request):
             # A WebSocket's end is its own close frame or connection, handled by its relay.
             attempt = websocket_attempt(request, plan, rest, headers, limit_headers, record)
-            return await forward(plan, self._upstreams, attempt, limit_headers, record)
+            try:
+                return await forward(plan, self._upstreams, attempt, limit_headers, record)
+            except ClientLeft:
+                return self._client_closed(plan)  # while its handshake waited for the upstream
         # From here on, a client that hangs up cancels this task: the upstream request is
         # abandoned rather than finished for nobody (see gateway.bounded_protocol).
         request[CANCEL_ON_HANGUP] = asyncio.current_task()  # type: ignore[assignment]
@@ -436,6 +442,17 @@ async def _continue(request: web.BaseRequest) -> None:
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the interim response is not part of the response's size
     await request.writer.drain()
+
+
+def _not_a_handshake() -> web.Response:
+    """A WebSocket handshake is a GET without a body (RFC 6455 §4.1), and aiohttp's client
+    sends it upstream as one: a body, or another method, would reach the upstream as what
+    the client did not send. A body announced (Content-Length, Transfer-Encoding) and
+    forwarded without its bytes held the upstream waiting for them until timeout.read. The
+    body is never read, so the connection closes rather than read it as frames or requests."""
+    response = problem(400, "Bad Request", "A WebSocket handshake must be a GET request without a body.")
+    response.force_close()
+    return response
 
 
 def _body_too_large(plan: RoutePlan, headers: dict[str, str] | None = None) -> web.Response:

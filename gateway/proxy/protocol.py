@@ -22,8 +22,11 @@ from http import HTTPStatus
 from collections.abc import Callable
 from typing import Any
 
+import httptools
 from aiohttp import hdrs, web
 from aiohttp.http import HttpVersion10, HttpVersion11
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import EMPTY_PAYLOAD
 from aiohttp.http_exceptions import (
     BadHttpMethod,
     BadStatusLine,
@@ -41,6 +44,7 @@ from gateway.proxy.problem import problem
 from gateway.proxy.routing import request_host
 
 log = logging.getLogger("gateway.protocol")
+_NO_CALLBACKS = object()  # httptools only finds where a request ends: it needs none of them
 
 # Checked most specific first: BadHttpMethod is a BadStatusLine, and so on.
 _PARSER_ERRORS: tuple[tuple[type[Exception], str], ...] = (
@@ -155,6 +159,51 @@ class _RequestHandler(BoundedRequestHandler):
     def refused(self) -> None:
         if self._manager is not None:
             self._manager.refused()
+
+    def data_received(self, data: bytes) -> None:
+        self._received(data, self._at_message_start())
+
+    def _received(self, data: bytes, at_start: bool) -> None:
+        count = self._request_count
+        super().data_received(data)
+        if self._request_count != count and not self._upgraded and not self._refused and self._messages:
+            message, payload = self._messages[-1]
+            if isinstance(message, RawRequestMessage) and message.upgrade:
+                self._declined_upgrade(message, payload, data if at_start else None)
+
+    def _at_message_start(self) -> bool:
+        """Whether the next read begins a request: no head or body is part way."""
+        body = self._body
+        return (
+            (body is None or body.is_eof())
+            and not self._head_bytes
+            and not self._unmeasured
+            and not self._upgraded
+            and self._payload_parser is None
+        )
+
+    def _declined_upgrade(self, message: RawRequestMessage, payload: Any, data: bytes | None) -> None:
+        """A request asking to switch to a protocol the gateway does not speak (`Upgrade: h2c`):
+        it is answered as plain HTTP/1.1, its Upgrade dropped as hop-by-hop. llhttp stops at
+        such a request and aiohttp drops the rest of the read, so requests pipelined behind it
+        were never answered. The rest is found again with llhttp (httptools) when the read
+        began a request (`data`) and this one has no body, and fed on; else the connection
+        closes after the answer, which tells a pipelining client to send the rest again
+        (RFC 9112 §9.3.2)."""
+        # Where a request with a body ends, llhttp versions differ (after its head, or after
+        # its body): taken from another one, a body could be read as requests. So only a
+        # bodiless request's rest is fed on.
+        if data is not None and payload is EMPTY_PAYLOAD:
+            try:
+                httptools.HttpRequestParser(_NO_CALLBACKS).feed_data(data)
+            except httptools.HttpParserUpgrade as upgrade:
+                tail = data[upgrade.args[0] :]
+                if tail:
+                    self._received(tail, at_start=True)
+                return
+            except httptools.HttpParserError:
+                pass
+        self._messages[-1] = (message._replace(should_close=True), payload)
 
     def handle_error(
         self,

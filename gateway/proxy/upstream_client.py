@@ -82,7 +82,7 @@ class Endpoint:
     tls: ssl.SSLContext | None
     authority: str  # the Host header: host, and the port when it is not the scheme's
     base_path: str  # the URL's path, before each request's own
-    authorization: str | None  # Basic credentials from the URL's user information
+    authorization: str | None  # Basic credentials from the URL's user information, replacing the request's
 
     @classmethod
     def of(cls, url: str, tls: ssl.SSLContext | None) -> Endpoint:
@@ -238,9 +238,15 @@ class UpstreamClient:
     ) -> bytes:
         endpoint = self.endpoint
         lines = [f"{method} {endpoint.base_path}{target} HTTP/1.1\r\nHost: {host or endpoint.authority}\r\n"]
-        for name, value in headers.items():
-            lines.append(f"{name}: {value}\r\n")
-        if endpoint.authorization is not None:
+        if endpoint.authorization is None:
+            for name, value in headers.items():
+                lines.append(f"{name}: {value}\r\n")
+        else:
+            # The URL's credentials are the gateway's login to this upstream: they replace the
+            # client's, whom the upstream would otherwise see beside them, or instead of them.
+            for name, value in headers.items():
+                if name.lower() != "authorization":
+                    lines.append(f"{name}: {value}\r\n")
             lines.append(f"Authorization: {endpoint.authorization}\r\n")
         if body is None:
             lines.append("Content-Length: 0\r\n\r\n" if method in _LENGTH_ALWAYS else "\r\n")

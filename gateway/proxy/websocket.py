@@ -29,6 +29,11 @@ def is_websocket_upgrade(request: web.BaseRequest) -> bool:
     return "upgrade" in connection
 
 
+class ClientLeft(Exception):
+    """The client's connection was lost before the upstream's acceptance of its handshake
+    could be passed on: the client's doing, answered as a client that closed (499)."""
+
+
 class WebSocketConnectFailed(Exception):
     """The upstream could not be connected to (refused, unreachable, or past the route's
     `timeout.connect`): nothing was sent, so another pool target may take the handshake.
@@ -56,7 +61,7 @@ async def proxy_websocket(
     WebSocketConnectFailed. `answered` is given the status of the upstream's answer to the
     handshake (101, or the status it refused with) and the seconds it took, as the access
     log and gateway_upstream_latency_seconds take an HTTP response's; `opened` is called
-    once the upstream has accepted the handshake."""
+    once the upstream has accepted the handshake. A client gone by then raises ClientLeft."""
     protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
     for name in _HANDSHAKE_HEADERS:
         headers.popall(name, None)
@@ -90,13 +95,19 @@ async def proxy_websocket(
     async with upstream:
         client = web.WebSocketResponse(protocols=[upstream.protocol] if upstream.protocol else (), autoping=False)
         client.headers.update(limit_headers)
-        await client.prepare(request)
+        try:
+            await client.prepare(request)
+        except ConnectionError:
+            await upstream.close(code=aiohttp.WSCloseCode.GOING_AWAY)
+            raise ClientLeft from None
         to_upstream = asyncio.ensure_future(_pipe(client, upstream))
         to_client = asyncio.ensure_future(_pipe(upstream, client))
         done, pending = await asyncio.wait({to_upstream, to_client}, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        for task in done:
+            _peer_gone(task)
         if to_client in done:
             # The upstream ended it: a vanished upstream is the gateway's failure to the client.
             await client.close(code=_sendable(upstream.close_code, lost=aiohttp.WSCloseCode.BAD_GATEWAY))
@@ -111,6 +122,15 @@ def _sendable(code: int | None, *, lost: int) -> int:
     if code in _UNSENDABLE_CLOSE_CODES:
         return lost
     return code or aiohttp.WSCloseCode.OK
+
+
+def _peer_gone(task: asyncio.Task[None]) -> None:
+    """Retrieve a finished relay's failure: a write to a side that reset its connection
+    ends the session like a close, with no traceback (the client's doing, or the
+    upstream's, never the gateway's); anything else is a failure of our own, raised."""
+    failure = task.exception()
+    if failure is not None and not isinstance(failure, ConnectionError):
+        raise failure
 
 
 async def _pipe(source, sink) -> None:
