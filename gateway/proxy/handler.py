@@ -36,13 +36,18 @@ from gateway.metrics import STATUS_CLASSES, Metrics, method_label
 from gateway.proxy.client_identity import ClientIdentity, IdentityRejected
 from gateway.proxy.forwarding import Upstream, forward, http_attempt, websocket_attempt
 from gateway.proxy.header_rewrite import rewrite_headers
-from gateway.proxy.headers import GATEWAY_WRITTEN, add_forwarded, drop_cgi_aliases, end_to_end
+from gateway.proxy.headers import (
+    GATEWAY_WRITTEN,
+    add_forwarded,
+    drop_cgi_aliases,
+    end_to_end,
+)
+from gateway.proxy.health_checks import HealthChecks
 from gateway.proxy.paths import NormalPath, PathRejected, normalize_path
 from gateway.proxy.problem import Answer, problem, problem_response
 from gateway.proxy.protocol import checked_host
-from gateway.proxy.health_checks import HealthChecks
 from gateway.proxy.ratelimit_headers import retry_after_seconds
-from gateway.proxy.route_plan import CONCURRENCY_RETRY_AFTER, Plans, RoutePlan, compile_plans
+from gateway.proxy.route_plan import Plans, RoutePlan, compile_plans
 from gateway.proxy.tiers import held_to, tier_header, with_allowlisted
 from gateway.proxy.upstream_pool import TargetStates
 from gateway.proxy.websocket import is_websocket_upgrade
@@ -61,7 +66,6 @@ STREAM_CHUNK_BYTES = 64 * 1024
 REQUEST_BUFFER_BYTES = 64 * 1024
 _RETRY_AFTER_ONE = {"Retry-After": "1"}  # shared safely: a Response copies the headers it is given
 _NO_FIELDS: dict[str, str] = {}  # the rate-limit fields of a route without limits; never written to
-_CONCURRENCY_RETRY_AFTER = {"Retry-After": str(retry_after_seconds(CONCURRENCY_RETRY_AFTER))}
 # nginx's status for a request whose client closed the connection before the answer:
 # logged and counted, never sent, and never a 5xx, which would page someone for a client's choice.
 CLIENT_CLOSED = 499
@@ -491,7 +495,11 @@ def _concurrency_rejection(plan: RoutePlan, admission: Admission, limit_headers:
         names = tuple(s.limit.name for s in admission.statuses if s.outcome == FAIL_CLOSED)
         return problem_response(503, plan.store_unavailable(names).body(), headers=_RETRY_AFTER_ONE)
     refused = next(i for i, s in enumerate(admission.statuses) if s.outcome not in (ALLOW, SKIPPED, FAIL_OPEN))
-    return plan.concurrency[refused].limited.response({**limit_headers, **_CONCURRENCY_RETRY_AFTER})
+    limited = plan.concurrency[refused]
+    headers = {**limit_headers, **limited.fields}
+    # The rate limits' policy, when sent, lists the concurrency limits too.
+    headers.setdefault("RateLimit-Policy", plan.fields.concurrency_policy)
+    return limited.limited.response(headers)
 
 
 def _raw_path(request: web.BaseRequest) -> str | None:

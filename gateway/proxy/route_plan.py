@@ -28,6 +28,7 @@ from multidict import CIMultiDict
 
 from gateway.access_log import PROCESS_LOG_SECRET
 from gateway.config.model import (
+    Balance,
     ConcurrencyLimit,
     FailurePolicy,
     ForwardedHeaders,
@@ -36,7 +37,6 @@ from gateway.config.model import (
     Limit,
     Match,
     PathNormalization,
-    Balance,
     Route,
     UpstreamPool,
 )
@@ -45,7 +45,15 @@ from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics
 from gateway.proxy.client_identity import ClientIdentity, IdentityKey, RouteIdentity
 from gateway.proxy.headers import GATEWAY_WRITTEN, cgi_name
 from gateway.proxy.location import LocationRewrite
-from gateway.proxy.problem import PROBLEM_CONTENT_TYPE, Problem, ProblemTemplate, problem_body
+from gateway.proxy.problem import (
+    PROBLEM_CONTENT_TYPE,
+    QUOTA_EXCEEDED,
+    REDUCED_CAPACITY,
+    VIOLATED_POLICIES,
+    Problem,
+    ProblemTemplate,
+    problem_body,
+)
 from gateway.proxy.ratelimit_headers import RateLimitFields, retry_after_seconds
 from gateway.proxy.routing import Router
 from gateway.proxy.upstream_pool import Balancer, TargetState
@@ -98,6 +106,7 @@ class ConcurrencyPlan:
     decisions: Children  # gateway_limiter_decisions_total for this route and limit, by decision
     in_flight: Any  # the gateway_concurrency_in_flight child of this limit
     limited: Problem  # the 429
+    fields: dict[str, str]  # its RateLimit (none left, no window known) and Retry-After
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +221,11 @@ class RoutePlan:
         template = self._rejections.get((503, names, True))
         if template is None:
             template = self._rejections[(503, names, True)] = ProblemTemplate.of(
-                503, _TITLES[503], "The rate-limit store is unavailable and this limit fails closed.", limits=names
+                503,
+                _TITLES[503],
+                "The rate-limit store is unavailable and this limit fails closed.",
+                kind=REDUCED_CAPACITY,
+                **{VIOLATED_POLICIES: names},
             )
         return template
 
@@ -222,7 +235,13 @@ _TITLES = {429: "Too Many Requests", 503: "Service Unavailable"}
 
 def _rejection_template(status: int, names: tuple[str, ...]) -> ProblemTemplate:
     listed = ", ".join(repr(name) for name in names)
-    return ProblemTemplate.of(status, _TITLES[status], f"Rate limit {listed} exceeded; retry in {{}} s.", limits=names)
+    return ProblemTemplate.of(
+        status,
+        _TITLES[status],
+        f"Rate limit {listed} exceeded; retry in {{}} s.",
+        kind=QUOTA_EXCEEDED,
+        **{VIOLATED_POLICIES: names},
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,6 +386,7 @@ def _route_plan(
                 for rl in route.limits
             ],
             local_divisor,
+            route.concurrency,
         ),
         upstream_timeout=problem_body(
             504,
@@ -406,6 +426,8 @@ def _concurrency_plan(limit: ConcurrencyLimit, label: str, metrics: Metrics) -> 
             "Too Many Requests",
             f"Concurrency limit {limit.name!r} reached: {limit.concurrency} requests already in flight; "
             f"retry in {retry_after_seconds(CONCURRENCY_RETRY_AFTER)} s.",
-            limits=[limit.name],
+            kind=QUOTA_EXCEEDED,
+            **{VIOLATED_POLICIES: [limit.name]},
         ),
+        fields={"RateLimit": f'"{limit.name}";r=0', "Retry-After": str(retry_after_seconds(CONCURRENCY_RETRY_AFTER))},
     )
