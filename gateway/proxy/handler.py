@@ -80,6 +80,7 @@ class ProxyHandler:
         # Everything compiled from the config sits behind this one reference.
         self._plans = compile_plans(config, metrics, self._targets.update(config))
         metrics.keep_targets(frozenset(t.name for t in self._plans.pool_targets))
+        metrics.keep_routes(self._plans.route_labels, self._plans.limit_names)
         self._health = HealthChecks(metrics.target_healthy, metrics.show_targets)
         self._limiter = limiter
         self._metrics = metrics
@@ -120,6 +121,7 @@ class ProxyHandler:
                 self._retiring.setdefault(url, self._generation)
         self._plans = plans
         self._metrics.keep_targets(frozenset(t.name for t in plans.pool_targets))
+        self._metrics.keep_routes(plans.route_labels, plans.limit_names)
         self._health.update(plans.pool_targets)
         self._close_retired()
 

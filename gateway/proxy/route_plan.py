@@ -41,7 +41,8 @@ from gateway.config.model import (
     UpstreamPool,
 )
 from gateway.limiter.limiter import local_share
-from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics
+from gateway.limiter.outcomes import concurrency_outcomes, rate_limit_outcomes
+from gateway.metrics import NO_TARGET, QUEUE_FULL, UNMATCHED_ROUTE, Children, Metrics
 from gateway.proxy.client_identity import ClientIdentity, IdentityKey, RouteIdentity
 from gateway.proxy.headers import GATEWAY_WRITTEN, cgi_name
 from gateway.proxy.location import LocationRewrite
@@ -56,7 +57,7 @@ from gateway.proxy.problem import (
 )
 from gateway.proxy.ratelimit_headers import RateLimitFields, retry_after_seconds
 from gateway.proxy.routing import Router
-from gateway.proxy.upstream_pool import Balancer, TargetState
+from gateway.proxy.upstream_pool import Balancer, Outcome, TargetState
 
 _NO_RULES = HeaderRules()  # a route without request_headers or response_headers
 
@@ -255,6 +256,8 @@ class Plans:
     unmatched: Children  # gateway_requests_total for requests no route takes, by method and status class
     upstreams: tuple[str, ...]  # every base URL a request may go to, pool targets included
     pool_targets: tuple[TargetPlan, ...]  # each target of every pool, once
+    route_labels: frozenset[str]  # each route as metrics label it
+    limit_names: frozenset[str]  # each limit some route applies, rate and concurrency limits alike
     max_in_flight: int
     max_delayed: int  # requests one worker holds waiting out a mode: delay wait
     shed: Problem  # the 503 past max_in_flight
@@ -279,6 +282,10 @@ def compile_plans(config: GatewayConfig, metrics: Metrics, states: Mapping[str, 
         unmatched=Children(metrics.requests, ("method", "status_class"), route=UNMATCHED_ROUTE),
         upstreams=tuple(sorted({target.url for plan in routes for target in plan.pool.targets})),
         pool_targets=tuple(targets.values()),
+        route_labels=frozenset(plan.label for plan in routes),
+        limit_names=frozenset(
+            name for route in config.routes for name in (*(rl.limit.name for rl in route.limits), *(c.name for c in route.concurrency))
+        ),
         max_in_flight=config.max_in_flight,
         max_delayed=config.max_delayed,
         shed=Problem.of(
@@ -304,7 +311,7 @@ def _pool_plan(
                 state=states[target.url],
                 requests=metrics.target_requests.labels(target=target.name),
                 latency=metrics.target_latency.labels(target=target.name),
-                errors=Children(metrics.target_errors, ("kind",), target=target.name),
+                errors=Children(metrics.target_errors, ("kind",), target=target.name).export(*_ERROR_KINDS),
                 ejections=metrics.target_ejections.labels(target=target.name),
             )
         plans.append(plan)
@@ -316,6 +323,8 @@ def _pool_plan(
     )
 
 
+# The kinds of failed attempt a target can have: its gateway_upstream_target_errors_total series.
+_ERROR_KINDS = tuple((outcome.value,) for outcome in Outcome if outcome is not Outcome.ANSWERED)
 _NO_TARGET = Problem.of(503, "Service Unavailable", "No upstream target is in rotation; retry shortly.")
 
 
@@ -367,7 +376,9 @@ def _route_plan(
             LimitPlan(
                 limit=rl.limit,
                 cost=rl.cost,
-                decisions=Children(metrics.decisions, ("decision",), route=label, limit=rl.limit.name),
+                decisions=Children(metrics.decisions, ("decision",), route=label, limit=rl.limit.name).export(
+                    *((outcome,) for outcome in rate_limit_outcomes(rl.limit))
+                ),
                 rejection=Rejection.of(rl.limit),
                 classified=rl.limit.tiers is not None or rl.limit.allow is not None,
             )
@@ -405,9 +416,11 @@ def _route_plan(
             f"No connection to the upstream came free within {timeout.queue:g} s; retry shortly.",
         ),
         requests=Children(metrics.requests, ("method", "status_class"), route=label),
-        upstream_latency=Children(metrics.upstream_latency, route=label),
-        client_closed=Children(metrics.client_closed, route=label),
-        unavailable=Children(metrics.upstream_unavailable, ("reason",), route=label),
+        upstream_latency=Children(metrics.upstream_latency, route=label).export(()),
+        client_closed=Children(metrics.client_closed, route=label).export(()),
+        unavailable=Children(metrics.upstream_unavailable, ("reason",), route=label).export(
+            (QUEUE_FULL,), *([(NO_TARGET,)] if isinstance(route.upstream, UpstreamPool) else [])
+        ),
         pool=pool,
         total_timeout=timeout.total,
         retried=metrics.retries.labels(route=label) if isinstance(route.upstream, UpstreamPool) else UNCOUNTED,
@@ -419,7 +432,9 @@ def _route_plan(
 def _concurrency_plan(limit: ConcurrencyLimit, label: str, metrics: Metrics) -> ConcurrencyPlan:
     return ConcurrencyPlan(
         limit=limit,
-        decisions=Children(metrics.decisions, ("decision",), route=label, limit=limit.name),
+        decisions=Children(metrics.decisions, ("decision",), route=label, limit=limit.name).export(
+            *((outcome,) for outcome in concurrency_outcomes(limit))
+        ),
         in_flight=metrics.concurrency_in_flight.labels(limit=limit.name),
         limited=Problem.of(
             429,
