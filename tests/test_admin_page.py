@@ -364,6 +364,7 @@ async def test_stats_has_the_routes_limits_and_counter_totals(upstream, client):
     assert sorted(stats["decisions"], key=json.dumps) == [
         {"route": "/api", "limit": "per_key", "decision": "allow", "total": 2},
         {"route": "/api", "limit": "per_key", "decision": "deny", "total": 1},
+        {"route": "/api", "limit": "per_key", "decision": "fail_open", "total": 0},  # exported from the start
     ]
     assert stats["breaker"] == {"closed": 1, "open": 0, "half_open": 0}
     assert stats["reload"] == {"failures": 0, "last_success": None}
