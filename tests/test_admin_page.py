@@ -404,7 +404,7 @@ async def test_stats_sums_every_workers_counters(upstream, redis_server):
                 async with client.get(gw.admin_url + "/stats") as response:
                     stats = await response.json()
                 decisions = {row["decision"]: row["total"] for row in stats["decisions"]}
-                assert decisions == {"allow": 2, "deny": 6}
+                assert decisions == {"allow": 2, "deny": 6, "fail_open": 0}
                 assert stats["breaker"] == {"closed": 2, "open": 0, "half_open": 0}
 
             async def both_workers_see_the_target_healthy() -> bool:
