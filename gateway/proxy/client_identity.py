@@ -43,13 +43,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.config.model import (
-    ClientIpHeader,
-    ClientIpStrategy,
-    IdentitySource,
-    IPNetwork,
-    JwtConfig,
-)
+from gateway.config.model import ClientIpHeader, ClientIpStrategy, IdentitySource, IPNetwork, JwtConfig
 from gateway.metrics import method_label
 from gateway.proxy.headers import cgi_name
 from gateway.proxy.jwt_identity import JwtVerifier, bearer_token, claim_value

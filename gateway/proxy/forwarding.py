@@ -36,12 +36,7 @@ from gateway.metrics import NO_TARGET, QUEUE_FULL
 from gateway.proxy.header_rewrite import rewrite_headers
 from gateway.proxy.problem import Problem, problem_response
 from gateway.proxy.route_plan import PoolPlan, RoutePlan, TargetPlan
-from gateway.proxy.upstream_client import (
-    ConnectFailed,
-    UpstreamClient,
-    UpstreamError,
-    UpstreamTimeout,
-)
+from gateway.proxy.upstream_client import ConnectFailed, UpstreamClient, UpstreamError, UpstreamTimeout
 from gateway.proxy.upstream_pool import Outcome, retry_allowed
 from gateway.proxy.upstream_slots import UpstreamSlots
 from gateway.proxy.websocket import WebSocketConnectFailed, proxy_websocket

@@ -36,16 +36,11 @@ from gateway.metrics import STATUS_CLASSES, Metrics, method_label
 from gateway.proxy.client_identity import ClientIdentity, IdentityRejected
 from gateway.proxy.forwarding import Upstream, forward, http_attempt, websocket_attempt
 from gateway.proxy.header_rewrite import rewrite_headers
-from gateway.proxy.headers import (
-    GATEWAY_WRITTEN,
-    add_forwarded,
-    drop_cgi_aliases,
-    end_to_end,
-)
-from gateway.proxy.health_checks import HealthChecks
+from gateway.proxy.headers import GATEWAY_WRITTEN, add_forwarded, drop_cgi_aliases, end_to_end
 from gateway.proxy.paths import NormalPath, PathRejected, normalize_path
 from gateway.proxy.problem import Answer, problem, problem_response
 from gateway.proxy.protocol import checked_host
+from gateway.proxy.health_checks import HealthChecks
 from gateway.proxy.ratelimit_headers import retry_after_seconds
 from gateway.proxy.route_plan import Plans, RoutePlan, compile_plans
 from gateway.proxy.tiers import held_to, tier_header, with_allowlisted

@@ -17,6 +17,7 @@ Trusts the config; the response headers come from the upstream the route names.
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Callable
 from http import HTTPStatus
+from collections.abc import Callable
 from typing import Any
 
-from aiohttp import hdrs, web, web_protocol
+from aiohttp import hdrs, web
 from aiohttp.http import HttpVersion10, HttpVersion11
 from aiohttp.http_exceptions import (
     BadHttpMethod,
@@ -32,6 +32,7 @@ from aiohttp.http_exceptions import (
     LineTooLong,
     PayloadEncodingError,
 )
+from aiohttp import web_protocol
 from aiohttp.web_protocol import RequestHandler
 
 from gateway.bounded_protocol import BoundedRequestHandler, BoundedServer

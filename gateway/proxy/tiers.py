@@ -24,6 +24,7 @@ from gateway.limiter.store import LimitCheck
 from gateway.proxy.client_identity import parse_ip, single_header
 
 
+
 def held_to(limit: Limit, identity: str, client_ip: str, tier_header: str | None) -> Limit | None:
     """The limit a request with this identity ("source=value") and client address is checked
     against, or None if `limit.allow` names it. `tier_header` is the tier header's value as
