@@ -30,7 +30,7 @@ import contextlib
 import time
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -201,9 +201,11 @@ class Children:
     bound on first use and kept.
 
     `labels()` checks the names and looks the child up (prometheus_client's under a lock,
-    about 3 µs a call); a kept child is one dict hit away. Binding on first use rather
-    than up front keeps /metrics to the label sets that have happened. Callers pass values
-    from a bounded set (method_label, STATUS_CLASSES, decision outcomes), so the dict stays small."""
+    about 3 µs a call); a kept child is one dict hit away. The label sets the config
+    makes known (each limit's decisions, each route's reasons, each target's error kinds)
+    are bound up front (`export`); the others on first use, so /metrics is not every
+    method by every status class. Callers pass values from a bounded set (method_label,
+    STATUS_CLASSES, decision outcomes), so the dict stays small."""
 
     __slots__ = ("_metric", "_fixed", "_names", "_bound")
 
@@ -219,6 +221,13 @@ class Children:
             child = self._metric.labels(**self._fixed, **dict(zip(self._names, values, strict=True)))
             self._bound[values] = child
         return child
+
+    def export(self, *label_sets: tuple[str, ...]) -> Children:
+        """Bind these label sets now, so /metrics shows them at 0 before anything is
+        counted: a dashboard then reads 0, not "no data", for what has not happened."""
+        for values in label_sets:
+            self(*values)
+        return self
 
 
 class _Exposed:
@@ -288,6 +297,8 @@ class Metrics:
         ))
         self._checked_targets: frozenset[str] = frozenset()  # see show_targets
         self._named_targets: frozenset[str] = frozenset()  # see keep_targets
+        self._named_routes: frozenset[str] | None = None  # see keep_routes; None: not told yet
+        self._named_limits: frozenset[str] | None = None
         self.target_healthy = add(Gauge(
             TARGET_HEALTHY,
             "Worker processes whose active health checks see each checked pool target healthy.",
@@ -381,18 +392,38 @@ class Metrics:
                 self.target_errors.remove(name, kind)
         self._named_targets = names
 
+    def keep_routes(self, routes: frozenset[str], limits: frozenset[str]) -> None:
+        """The routes (by label) and limits the config names now, at start and on each
+        reload: the series of a route or limit a reload removed leave /metrics, as a
+        target's do (see keep_targets), so a config's series stay those it exports at 0."""
+        self._named_routes = routes | {UNMATCHED_ROUTE}
+        self._named_limits = limits
+        for metric in self._exposed.metrics:
+            if not isinstance(metric, PlainMetric):
+                continue  # prometheus_client's: left out of the exposition (_CurrentConfigOnly)
+            for key in [key for key in metric._values if not self._named(dict(zip(metric.labelnames, key)))]:
+                metric.remove(*key)
+
+    def _named(self, labels: Mapping[str, str]) -> bool:
+        """Whether a series' route and limit, if it has them, are in the config now."""
+        route, limit = labels.get("route"), labels.get("limit")
+        if route is not None and self._named_routes is not None and route not in self._named_routes:
+            return False
+        return limit is None or self._named_limits is None or limit in self._named_limits
+
     def exposition_registry(self) -> CollectorRegistry:
         """What /metrics serves: this process's registry, or every worker's when there are several."""
         if not self._multiprocess:
             return self.registry
         combined = CollectorRegistry()
-        combined.register(_CurrentTargetsOnly(MultiProcessCollector(None), self))
+        combined.register(_CurrentConfigOnly(MultiProcessCollector(None), self))
         return combined
 
 
-class _CurrentTargetsOnly:
+class _CurrentConfigOnly:
     """The workers' metrics, with the pool target families only for the targets named now,
-    and gateway_upstream_target_healthy only for those checked now."""
+    gateway_upstream_target_healthy only for those checked now, and the series of routes
+    and limits only for those the config names now."""
 
     def __init__(self, source: MultiProcessCollector, metrics: Metrics) -> None:
         self._source = source
@@ -403,6 +434,7 @@ class _CurrentTargetsOnly:
             if family.name.startswith(TARGET_METRICS):
                 shown = self._metrics._checked_targets if family.name == TARGET_HEALTHY else self._metrics._named_targets
                 family.samples = [s for s in family.samples if s.labels.get("target") in shown]
+            family.samples = [s for s in family.samples if self._metrics._named(s.labels)]
             yield family
 
 

@@ -376,18 +376,24 @@ routes:
                         assert response.status == status, path
             stats = await call(client, "GET", gw.admin_url + "/stats", expect=200)
     assert stats["workers"] == 1
+    none = {"5xx": 0, "connect": 0, "reset": 0, "timeout": 0}  # every kind, counted from 0
     assert stats["targets"] == [
         {"target": "dead", "url": dead, "routes": ["/a", "/c"], "checked": False, "healthy": None,
-         "requests": 1, "errors": {"connect": 1}, "ejections": 1},
+         "requests": 1, "errors": {**none, "connect": 1}, "ejections": 1},
         {"target": "live", "url": upstream, "routes": ["/a"], "checked": False, "healthy": None,
-         "requests": 5, "errors": {}, "ejections": 0},
+         "requests": 5, "errors": none, "ejections": 0},
         {"target": "checked", "url": checked, "routes": ["/b"], "checked": True, "healthy": 1,
-         "requests": 3, "errors": {}, "ejections": 0},
+         "requests": 3, "errors": none, "ejections": 0},
     ]
-    assert stats["unavailable"] == [{"route": "/c", "reason": "no_target", "total": 2}]
+    counted = {(u["route"], u["reason"]): u["total"] for u in stats["unavailable"]}
+    assert counted == {
+        ("/a", "no_target"): 0, ("/a", "queue_full"): 0, ("/b", "no_target"): 0, ("/b", "queue_full"): 0,
+        ("/c", "no_target"): 2, ("/c", "queue_full"): 0, ("/plain", "queue_full"): 0,
+    }
 
 
 async def test_stats_has_no_targets_without_a_pool(upstream, client):
     async with running_gateway(limits_config(upstream)) as gw:
         stats = await call(client, "GET", gw.admin_url + "/stats", expect=200)
-    assert stats["targets"] == [] and stats["unavailable"] == []
+    assert stats["targets"] == []
+    assert {u["total"] for u in stats["unavailable"]} == {0}  # each route's queue_full, at 0

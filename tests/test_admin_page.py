@@ -364,6 +364,7 @@ async def test_stats_has_the_routes_limits_and_counter_totals(upstream, client):
     assert sorted(stats["decisions"], key=json.dumps) == [
         {"route": "/api", "limit": "per_key", "decision": "allow", "total": 2},
         {"route": "/api", "limit": "per_key", "decision": "deny", "total": 1},
+        {"route": "/api", "limit": "per_key", "decision": "fail_open", "total": 0},  # exported from the start
     ]
     assert stats["breaker"] == {"closed": 1, "open": 0, "half_open": 0}
     assert stats["reload"] == {"failures": 0, "last_success": None}
@@ -403,7 +404,7 @@ async def test_stats_sums_every_workers_counters(upstream, redis_server):
                 async with client.get(gw.admin_url + "/stats") as response:
                     stats = await response.json()
                 decisions = {row["decision"]: row["total"] for row in stats["decisions"]}
-                assert decisions == {"allow": 2, "deny": 6}
+                assert decisions == {"allow": 2, "deny": 6, "fail_open": 0}
                 assert stats["breaker"] == {"closed": 2, "open": 0, "half_open": 0}
 
             async def both_workers_see_the_target_healthy() -> bool:

@@ -112,10 +112,12 @@ async def test_a_hung_redis_costs_requests_nothing_once_the_breaker_opens(redis_
         assert ready["breaker"] in ("open", "half_open")
         assert value(samples, "gateway_store_breaker", state=ready["breaker"]) == 1
         assert value(samples, "gateway_store_breaker", state="closed") == 0
-        # Redis is back: the next probe closes the breaker, within a cool-down.
+        # Redis is back: the next probe closes the breaker, a cool-down (0.5 s) later; the
+        # bound leaves a loaded machine's scheduler seconds, and a breaker that never
+        # probes again still fails it.
         back = time.monotonic()
         while "RateLimit" not in (await get(http, gw.url + "/open")).headers:
-            assert time.monotonic() - back < 1.0, "decisions did not resume within 1 s"
+            assert time.monotonic() - back < 10 * BREAKER_COOLDOWN, "decisions did not resume"
         _, samples = await scrape(http, gw.admin_url)
         assert value(samples, "gateway_store_breaker", state="closed") == 1
         async with http.get(gw.admin_url + "/readyz") as response:

@@ -112,6 +112,24 @@ async def raw_websocket(gateway: GatewayProcess, path: str) -> tuple[asyncio.Str
     return reader, writer
 
 
+async def test_a_concurrency_429_advertises_its_limit_in_concurrent_requests(redis_server):
+    async with gateway_on(redis_server.url) as (gateway, upstream, http, _):
+        host, port = gateway.url.removeprefix("http://").split(":")
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /held HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\n\r\n")
+        await eventually(lambda: upstream.in_flight["k"] == 1, what="the request held upstream")
+        async with http.get(gateway.url + "/fast", headers=KEY) as response:
+            problem = await response.json(content_type=None)
+            assert response.status == 429
+            assert response.headers.getall("RateLimit-Policy") == ['"conns";q=1;qu="concurrent-requests"']
+            assert response.headers.getall("RateLimit") == ['"conns";r=0']  # no window: room comes when one ends
+            assert response.headers["Retry-After"] == "1"
+        assert problem["type"] == "https://iana.org/assignments/http-problem-types#quota-exceeded"
+        assert problem["violated-policies"] == ["conns"]
+        writer.close()
+        await writer.wait_closed()
+
+
 async def test_a_client_that_hangs_up_gives_its_lease_back(redis_server):
     async with gateway_on(redis_server.url) as (gateway, upstream, _, status):
         host, port = gateway.url.removeprefix("http://").split(":")
@@ -236,7 +254,7 @@ async def test_each_failure_policy_answers_while_redis_is_down(redis_server):
         async with http.get(gateway.url + "/closed/fast", headers={"X-API-Key": "k"}) as response:
             assert response.status == 503
             assert response.headers["Retry-After"] == "1"
-            assert (await response.json())["limits"] == ["closed"]
+            assert (await response.json())["violated-policies"] == ["closed"]
         # local: 2 across the fleet, divided by local_divisor 2, so 1 here.
         held = asyncio.ensure_future(status("/local/held"))
         await eventually(lambda: upstream.in_flight["k"] == 1, what="the request held upstream")

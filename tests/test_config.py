@@ -454,6 +454,24 @@ ERROR_CASES = {
         "limits:\n  a: {rate: 1/second, on_store_error: retry}\n" + ROUTE, "limits.a.on_store_error: expected open, closed or local"),
     "bad limit name": ("limits:\n  'a b': {rate: 1/second}\n" + ROUTE, "limits.a b: limit names may use"),
     "path without slash": ("routes:\n  - match: {path: api}\n    upstream: http://h:1\n", "routes[0].match.path: expected a path starting with /"),
+    # What nginx, Traefik, Express, Kong and OpenAPI users write, which a literal prefix would match only as written.
+    "a glob in a prefix": ("routes:\n  - match: {path: '/static/*'}\n    upstream: http://h:1\n",
+                           "routes[0].match.path: a path is a prefix on whole segments and * is no wildcard: "
+                           "`path: /static` already matches /static and everything under it; for a pattern write match.regex"),
+    "a double-star glob": ("routes:\n  - match: {path: '/assets/**/x'}\n    upstream: http://h:1\n",
+                           "routes[0].match.path: a path is a prefix on whole segments and * is no wildcard: `path: /assets`"),
+    "a glob in an exact path": ("routes:\n  - match: {exact: '/*'}\n    upstream: http://h:1\n",
+                                "routes[0].match.exact: a path is a prefix on whole segments and * is no wildcard: `path: /`"),
+    "an Express parameter": ("routes:\n  - match: {path: '/users/:id'}\n    upstream: http://h:1\n",
+                             "routes[0].match.path: a segment such as :id or {id} is a parameter"),
+    "an OpenAPI parameter": ("routes:\n  - match: {path: '/users/{id}/orders'}\n    upstream: http://h:1\n",
+                             "routes[0].match.path: a segment such as :id or {id} is a parameter"),
+    "nginx's regex location": ("routes:\n  - match: {path: '~ ^/api'}\n    upstream: http://h:1\n",
+                               "routes[0].match.path: a path is a literal prefix; nginx's `~` and a leading `^` are regex syntax"),
+    "a regex anchor": ("routes:\n  - match: {path: '^/api'}\n    upstream: http://h:1\n",
+                       "routes[0].match.path: a path is a literal prefix; nginx's `~` and a leading `^` are regex syntax"),
+    "a regex end anchor": ("routes:\n  - match: {path: '/api$'}\n    upstream: http://h:1\n",
+                           "routes[0].match.path: a trailing $ is regex syntax: for this path alone write match.exact"),
     "bad method": (
         "routes:\n  - match: {path: /, methods: ['GE T']}\n    upstream: http://h:1\n", "routes[0].match.methods[0]: expected an HTTP method"),
     "bad trusted proxy": ("trusted_proxies: [10.0.0.0/33]\n" + ROUTE, "trusted_proxies[0]: "),
@@ -551,6 +569,14 @@ ERROR_CASES = {
 def test_invalid_config_is_one_line_naming_file_path_and_expectation(text, expected):
     message = error_of(text)
     assert expected in message
+
+
+def test_paths_that_only_look_like_another_gateways_patterns_load():
+    """A colon inside a segment (Google's custom methods), a brace that is not a whole
+    segment and a dollar inside a path are literal, as upstreams use them."""
+    for path in ("/v1/things:batchGet", "/a/{b", "/price$/list", "/a/b*c", "/files/a.tar"):
+        config = parse_config(f"routes:\n  - match: {{path: '{path}'}}\n    upstream: http://h:1\n", source="<test>", environ={})
+        assert config.routes[0].match.path == path
 
 
 # --- reading the file ----------------------------------------------------------------

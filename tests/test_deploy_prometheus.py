@@ -450,7 +450,7 @@ async def scenario(
         assert traffic.statuses["/slow?seconds=0.02", 429] > 0
         assert traffic.statuses["/paced/a", 429] == 0  # the wait never passes max_delay
         # Every target in rotation: nothing was answered 503 for want of one.
-        assert not await prom.query(client, "gateway_upstream_unavailable_total")
+        assert not await prom.query(client, "gateway_upstream_unavailable_total > 0")
         assert traffic.statuses["/down/a", 503] == 0
 
         # One target of the two-target pool stopped: connect errors, each retried on the
@@ -532,3 +532,82 @@ async def scenario(
         assert len(caught) == len(canaries), caught
         values = {where: [float(series["value"][1]) for series in await prom.query(client, expr)] for where, expr in alert_exprs}
     return traffic, states, values, caught
+
+
+# --- a quiet gateway: 0, not "No data" ----------------------------------------------------------
+
+
+def quiet_gateway_yaml(upstream: str, redis_url: str, pool: str | None) -> str:
+    """A limit of each failure policy, a shadow limit, a shaping limit with an allowlist and
+    a concurrency limit, and, given `pool`, a checked pool of that one target."""
+    pooled = (
+        f"""  - match: {{path: /pool}}
+    strip_prefix: true
+    upstream:
+      targets: [{{url: "{pool}", name: quiet-a}}]
+      health: {{path: /healthz, interval: 500ms, timeout: 200ms}}
+      retries: 1
+"""
+        if pool
+        else ""
+    )
+    return f"""\
+listen: 127.0.0.1:0
+admin_listen: 127.0.0.1:0
+store: {{url: "{redis_url}"}}
+limits:
+  per_client: {{rate: 100/second, burst: 100, key: [header:X-API-Key, ip], on_store_error: open}}
+  would_cap: {{rate: 100/second, burst: 100, key: [header:X-API-Key, ip], shadow: true}}
+  strict: {{rate: 100/second, burst: 100, key: [header:X-API-Key, ip], on_store_error: closed}}
+  spread: {{rate: 100/second, burst: 100, key: [header:X-API-Key, ip], on_store_error: local}}
+  paced: {{rate: 100/second, burst: 100, mode: delay, max_delay: 100ms, key: [header:X-API-Key, ip], allow: ["header:X-API-Key=ops-key"]}}
+  conns: {{concurrency: 10, key: [header:X-API-Key, ip]}}
+routes:
+  - {{match: {{path: /open}}, upstream: "{upstream}", limits: [per_client, would_cap]}}
+  - {{match: {{path: /closed}}, upstream: "{upstream}", limits: [strict]}}
+  - {{match: {{path: /local}}, upstream: "{upstream}", limits: [spread]}}
+  - {{match: {{path: /paced}}, upstream: "{upstream}", limits: [paced]}}
+  - {{match: {{path: /slow}}, upstream: "{upstream}", limits: [conns]}}
+{pooled}  - {{match: {{path: /}}, upstream: "{upstream}"}}
+"""
+
+
+async def test_every_dashboard_panel_reads_a_value_on_gateways_that_saw_no_failure(upstream):
+    """Two gateways, one without a pool and one with, each given a few requests that every
+    limit allows and no failure: every panel query of the dashboard, for either gateway's
+    instance, returns a series. Each series the config makes known is exported at 0 (each
+    limit's decisions by its failure policy, each route's 503 reasons and hang-ups, each
+    target's error kinds), and the pool panels of the gateway without a pool read 0."""
+    paths = ["/open/a", "/closed/a", "/local/a", "/paced/a", "/slow/a", "/free"]
+    async with PoolTarget() as target:
+        with RedisServer() as redis:
+            plain = GatewayProcess(quiet_gateway_yaml(upstream, redis.url, None))
+            pooled = GatewayProcess(quiet_gateway_yaml(upstream, redis.url, target.url))
+            async with off_the_loop(plain) as gw_plain, off_the_loop(pooled) as gw_pool:
+                config = prometheus_config(gw_plain.admin_url)
+                (job,) = [job for job in config["scrape_configs"] if job["job_name"] == "gateway"]
+                job["static_configs"][0]["targets"].append(gw_pool.admin_url.removeprefix("http://"))
+                async with off_the_loop(PrometheusServer(config)) as prom, aiohttp.ClientSession() as client:
+                    for gw, extra in ((gw_plain, []), (gw_pool, ["/pool/a"])):
+                        for path in paths + extra:
+                            async with client.get(gw.url + path, headers={"X-API-Key": "quiet"}) as response:
+                                assert response.status == 200, (path, response.status)
+                    board = dashboard()
+                    empty: dict[str, list[str]] = {}
+                    end = time.monotonic() + QUERY_DEADLINE
+                    while True:
+                        for gw in (gw_plain, gw_pool):
+                            instance = gw.admin_url.removeprefix("http://")
+                            variables = {**dashboard_variables(board), "instance": instance}
+                            queries = [
+                                (panel["title"], substitute(t["expr"], variables))
+                                for panel in all_panels(board["panels"])
+                                for t in panel.get("targets", [])
+                            ]
+                            empty[instance] = [
+                                title for title, expr in queries if not await prom.query(client, expr)
+                            ]
+                        if not any(empty.values()) or time.monotonic() > end:
+                            break
+                        await asyncio.sleep(0.25)
+    assert not any(empty.values()), f"panels with no series, by instance: {empty}"

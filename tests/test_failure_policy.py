@@ -88,7 +88,8 @@ async def test_closed_limit_answers_503_problem_json_with_retry_after_1(redis_se
         assert response.content_type == "application/problem+json"
         assert response.headers["Retry-After"] == "1"
         problem = json.loads(body)
-        assert problem["status"] == 503 and problem["limits"] == ["strict"]
+        assert problem["status"] == 503 and problem["violated-policies"] == ["strict"]
+        assert problem["type"] == "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity"
         # One fail-closed limit decides for the whole request, whatever the others' policies.
         response, _ = await get(http, gw.url + "/mixed")
         assert response.status == 503

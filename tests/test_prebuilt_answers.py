@@ -56,7 +56,7 @@ def test_a_limits_rejection_is_its_problem_split_where_the_seconds_go():
     body = b"7".join(rejection.chunks)
     assert rejection.status == 429 and rejection.content_type == CIMultiDict({hdrs.CONTENT_TYPE: "application/problem+json; charset=utf-8"})
     assert json.loads(body)["detail"] == "Rate limit 'per_key' exceeded; retry in 7 s."
-    assert json.loads(body)["limits"] == ["per_key"]
+    assert json.loads(body)["violated-policies"] == ["per_key"]
 
 
 def test_a_limits_own_body_keeps_its_status_and_content_type():

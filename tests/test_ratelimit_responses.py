@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from gateway.config.model import HeaderStyle, Limit, ResponseStyle
+from gateway.config.model import ConcurrencyLimit, FailurePolicy, HeaderStyle, Limit, ResponseStyle
 from gateway.limiter.limiter import LimitStatus, local_share
 from gateway.proxy.problem import ProblemTemplate, problem_body
 from gateway.proxy.ratelimit_headers import RateLimitFields, most_restrictive, retry_after_seconds
@@ -70,7 +70,9 @@ async def test_one_request_leaves_nineteen_of_a_burst_of_twenty(gw, client):
     assert headers["RateLimit-Policy"] == '"per_client";q=20;w=12'
     assert headers["RateLimit"] == '"per_client";r=19;t=1'
     status, headers, _ = await get(client, gw.url + "/single/echo")
-    assert headers["RateLimit"] == '"per_client";r=18;t=2'
+    # t is the effective window: the 19th token is due 0.6 s (one at 100/minute) from now,
+    # not the 1.2 s until the bucket is full again.
+    assert headers["RateLimit"] == '"per_client";r=18;t=1'
 
 
 @pytest.mark.parametrize(("path", "code"), [("/status/404", 404), ("/redirect", 302), ("/status/500", 500)])
@@ -89,7 +91,7 @@ async def test_a_route_without_limits_carries_no_ratelimit_fields(gw, client):
 
 async def test_a_cost_is_charged_and_reported(gw, client):
     _, headers, _ = await get(client, gw.url + "/costly/echo")
-    assert headers["RateLimit"] == '"per_client";r=15;t=3'
+    assert headers["RateLimit"] == '"per_client";r=15;t=1'  # the 16th token is due in 0.6 s
 
 
 async def test_both_limits_are_advertised_and_ratelimit_names_the_closer_to_exhaustion(gw, client):
@@ -103,7 +105,7 @@ async def test_both_limits_are_advertised_and_ratelimit_names_the_closer_to_exha
     assert headers.getall("RateLimit-Policy") == ['"per_client";q=20;w=12, "tight";q=3;w=18']
     assert headers["RateLimit"].startswith('"tight";r=0;t=')
     problem = json.loads(body)
-    assert problem["limits"] == ["tight"]
+    assert problem["violated-policies"] == ["tight"]
     assert "tight" in problem["detail"] and "per_client" not in problem["detail"]
 
 
@@ -117,10 +119,28 @@ async def test_a_429_has_a_problem_body_naming_the_limit_and_retry_after_in_whol
     problem = json.loads(body)
     assert problem["status"] == 429
     assert problem["title"] == "Too Many Requests"
-    assert problem["type"]
-    assert problem["limits"] == ["hourly"]
+    assert problem["type"] == "https://iana.org/assignments/http-problem-types#quota-exceeded"
+    assert problem["violated-policies"] == ["hourly"]
     assert problem["detail"] == "Rate limit 'hourly' exceeded; retry in 3600 s."
     assert headers["RateLimit"] == '"hourly";r=0;t=3600'
+
+
+async def test_a_429s_effective_window_ends_no_later_than_its_retry_after(gw, client):
+    """The draft: Retry-After SHOULD NOT point earlier than the end of the effective window.
+    Until the bucket is full (18 s for `tight`) would be 12 s past Retry-After."""
+    for _ in range(3):
+        assert (await get(client, gw.url + "/double/echo"))[0] == 200
+    status, headers, _ = await get(client, gw.url + "/double/echo")
+    assert status == 429
+    window = int(headers["RateLimit"].rpartition(";t=")[2])
+    assert window == int(headers["Retry-After"]) == 6  # one token at 10/minute
+
+
+def test_a_costly_requests_window_is_the_next_token_and_its_retry_after_all_it_costs():
+    limit = limits_by_name()["per_client"]  # 0.6 s a token
+    status = LimitStatus(limit=limit, cost=5, remaining=2.0, outcome="deny")
+    assert headers_for(status)["RateLimit"] == '"per_client";r=2;t=1'
+    # Retry-After waits for the 3 tokens short: 1.8 s, which the limiter works out.
 
 
 async def test_retry_after_is_at_least_one_second_for_a_sub_second_wait(gw, client):
@@ -140,7 +160,7 @@ async def test_several_limits_are_all_or_nothing(gw, client):
     for _ in range(5):
         status, headers, body = await combo("k1", "192.0.2.1")
         assert status == 429
-        assert json.loads(body)["limits"] == ["per_key"]
+        assert json.loads(body)["violated-policies"] == ["per_key"]
     # per_key denied five times; had per_ip3 been charged, it would be empty now.
     assert (await combo("k2", "192.0.2.1"))[0] == 200
     status, headers, _ = await combo("k3", "192.0.2.1")
@@ -149,7 +169,7 @@ async def test_several_limits_are_all_or_nothing(gw, client):
     assert headers["RateLimit"].startswith('"per_ip3";r=0;')
     status, headers, body = await combo("k4", "192.0.2.1")
     assert status == 429
-    assert json.loads(body)["limits"] == ["per_ip3"]
+    assert json.loads(body)["violated-policies"] == ["per_ip3"]
     assert headers["RateLimit-Policy"] == '"per_key";q=1;w=3600, "per_ip3";q=3;w=10800'
     assert headers["RateLimit"].startswith('"per_ip3";r=0;')
     # per_ip3 denied k4, so k4's own bucket was not charged: from another address it passes.
@@ -188,7 +208,8 @@ def test_ratelimit_headers_floor_the_remaining_and_round_the_reset_up():
     headers = headers_for(LimitStatus(limit=limit, cost=1, remaining=18.7, outcome="allow"))
     assert headers == {"RateLimit-Policy": '"per_client";q=20;w=12', "RateLimit": '"per_client";r=18;t=1'}
     full = headers_for(LimitStatus(limit=limit, cost=1, remaining=20.0, outcome="allow"))
-    assert full["RateLimit"] == '"per_client";r=20;t=0'
+    # Full: within 0.6 s of spending one the client has its next token, so no more than 20.
+    assert full["RateLimit"] == '"per_client";r=20;t=1'
 
 
 def test_the_most_restrictive_limit_counts_requests_left_not_tokens():
@@ -199,7 +220,7 @@ def test_the_most_restrictive_limit_counts_requests_left_not_tokens():
     assert most_restrictive([small_cost, big_cost], fields.ietf) is fields.ietf[1]
     assert headers_for(small_cost, big_cost) == {
         "RateLimit-Policy": '"tight";q=3;w=18, "per_client";q=20;w=12',
-        "RateLimit": '"per_client";r=10;t=6',
+        "RateLimit": '"per_client";r=10;t=1',
     }
 
 
@@ -210,7 +231,7 @@ def test_a_limit_with_unknown_remaining_is_advertised_but_never_named_in_ratelim
     assert headers_for(unknown) == {}  # no store decided: no fields at all
     assert headers_for(unknown, known) == {
         "RateLimit-Policy": '"tight";q=3;w=18, "per_client";q=20;w=12',
-        "RateLimit": '"per_client";r=5;t=9',
+        "RateLimit": '"per_client";r=5;t=1',
     }
 
 
@@ -220,12 +241,22 @@ def test_a_limit_decided_locally_is_described_by_the_local_share_actually_applie
     tight = LimitStatus(limit=limits["tight"], cost=1, remaining=3.0, outcome="allow")
     assert headers_for(local, tight, divisor=4) == {
         "RateLimit-Policy": '"per_client";q=5;w=12, "tight";q=3;w=18',
-        # 2 of the local 5 left, full in 3 / (25/60) = 7.2 s; the global bucket would take 43 s.
-        "RateLimit": '"per_client";r=2;t=8',
+        # 2 of the local 5 left, the third due in 1 / (25/60) = 2.4 s; the global bucket's in 0.6 s.
+        "RateLimit": '"per_client";r=2;t=3',
     }
     # Beside a fail-closed limit no local bucket decided: the global quota is shown.
     closed = dataclasses.replace(local, remaining=None)
     assert headers_for(closed, tight, divisor=4)["RateLimit-Policy"] == '"per_client";q=20;w=12, "tight";q=3;w=18'
+
+
+def test_a_routes_concurrency_limits_end_its_ratelimit_policy_in_concurrent_requests():
+    limits = limits_by_name()
+    conns = ConcurrencyLimit(name="conns", concurrency=4, lease_ttl=60.0, key=(), on_store_error=FailurePolicy.OPEN)
+    tight = limits["tight"]
+    fields = RateLimitFields.of([(tight, tight)], concurrency=[conns])
+    statuses = [LimitStatus(limit=tight, cost=1, remaining=2.0, outcome="allow")]
+    assert fields.headers(statuses)["RateLimit-Policy"] == '"tight";q=3;w=18, "conns";q=4;qu="concurrent-requests"'
+    assert fields.concurrency_policy == '"conns";q=4;qu="concurrent-requests"'
 
 
 def test_x_ratelimit_fields_describe_the_limit_closest_to_exhaustion_with_reset_in_seconds():

@@ -195,7 +195,8 @@ async def test_a_gateway_started_before_redis_starts_deciding_once_redis_is_up(u
                 server.start()
                 up = time.monotonic()
                 while "RateLimit" not in (await get(http, gw.url + "/open")).headers:
-                    assert time.monotonic() - up < 1.0, "decisions did not begin within 1 s of Redis starting"
+                    # Reconnects are tried at least every 0.5 s; seconds more are the scheduler's.
+                    assert time.monotonic() - up < 5.0, "decisions did not begin within 5 s of Redis starting"
                 assert (await get(http, gw.url + "/closed")).headers["RateLimit"] == '"strict";r=9;t=86400'
     finally:
         server.__exit__(None, None, None)

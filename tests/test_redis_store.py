@@ -439,7 +439,7 @@ async def test_rediss_url_speaks_tls_and_verifies_the_server(tls_redis, tls_file
     async with running_gateway(gateway_yaml(url, upstream, ACL_LIMITS, "[per_client]")) as gw:
         async with aiohttp.ClientSession() as http, http.get(gw.url + "/a", headers={"X-API-Key": "k"}) as response:
             assert response.status == 200
-            assert response.headers["RateLimit"] == '"per_client";r=48;t=172800'
+            assert response.headers["RateLimit"] == '"per_client";r=48;t=86400'
     assert len(bucket_keys(server.client())) == 1
 
 

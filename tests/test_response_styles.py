@@ -73,7 +73,7 @@ async def test_x_ratelimit_style_from_the_top_level(styles_gateway, client):
     assert fields(headers) == {"X-RateLimit-Limit": "2", "X-RateLimit-Remaining": "0", "X-RateLimit-Reset": "7200"}
     assert headers["Retry-After"] == "3600"
     assert headers["Content-Type"].split(";")[0] == "application/problem+json"
-    assert json.loads(body)["limits"] == ["plain"]
+    assert json.loads(body)["violated-policies"] == ["plain"]
 
 
 async def test_ietf_style_overrides_the_top_level_for_its_limit(styles_gateway, client):
@@ -103,7 +103,7 @@ async def test_a_status_of_503_keeps_the_problem_body_and_the_inherited_header_s
     assert fields(headers) == {"X-RateLimit-Limit": "1", "X-RateLimit-Remaining": "0", "X-RateLimit-Reset": "3600"}
     assert headers["Content-Type"].split(";")[0] == "application/problem+json"
     problem = json.loads(body)
-    assert (problem["status"], problem["title"], problem["limits"]) == (503, "Service Unavailable", ["busy"])
+    assert (problem["status"], problem["title"], problem["violated-policies"]) == (503, "Service Unavailable", ["busy"])
     assert problem["detail"] == "Rate limit 'busy' exceeded; retry in 3600 s."
 
 
@@ -114,8 +114,8 @@ async def test_two_limits_are_both_advertised_and_ratelimit_follows_the_closer(s
     assert [status for status, _, _ in seen] == [200, 200, 429]
     assert [h.getall("RateLimit-Policy") for _, h, _ in seen] == [[policy]] * 3
     assert seen[0][1]["RateLimit"] == '"ietf";r=1;t=3600'  # 1 of 2 left beats wide's 9 of 10
-    assert seen[2][1]["RateLimit"] == '"ietf";r=0;t=7200'
-    assert json.loads(seen[2][2])["limits"] == ["ietf"]
+    assert seen[2][1]["RateLimit"] == '"ietf";r=0;t=3600'  # its next token, not a full bucket
+    assert json.loads(seen[2][2])["violated-policies"] == ["ietf"]
     assert seen[2][1]["Retry-After"] == "3600"
 
 

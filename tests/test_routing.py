@@ -326,7 +326,8 @@ def test_query_conditions(target, upstream):
 
 
 def test_a_hostile_input_to_a_backtracking_pattern_is_answered_at_once():
-    """(a+)+$ takes Python's re minutes on 30 characters; RE2 is linear in the input."""
+    """(a+)+$ takes Python's re minutes on 30 characters; RE2 is linear in the input, so
+    these take milliseconds and the bound leaves a loaded machine seconds to spare."""
     config = config_from_yaml(
         """
 routes:
@@ -340,7 +341,7 @@ routes:
     assert router.find("GET", "gw", hostile_path) is None
     assert router.find("GET", "gw", "/aab", CIMultiDictProxy(CIMultiDict({"X-A": "x" * 20_000}))) is None
     assert router.find("GET", "gw", "/aab", CIMultiDictProxy(CIMultiDict({"X-A": "xxy"}))) is not None
-    assert time.perf_counter() - started < 0.5
+    assert time.perf_counter() - started < 5.0
 
 
 # --- shadowing (gateway check's warning) --------------------------------------------------
@@ -498,7 +499,7 @@ routes:
             async with client.get(gw.url + "/" + "a" * 4000, headers={"X-A": "x" * 8000}) as response:
                 assert response.status == 200
                 assert (await response.json())["path"] == "/" + "a" * 4000  # the catch-all took it
-            assert time.perf_counter() - started < 2.0
+            assert time.perf_counter() - started < 10.0  # backtracking would take hours
 
 
 @pytest.mark.parametrize(

@@ -57,8 +57,8 @@ async def statuses_and_fields(http: aiohttp.ClientSession, url: str, n: int) -> 
 async def test_an_exhausted_shadow_limit_never_rejects_but_is_counted_and_reported(upstream):
     async with running_gateway(shadow_yaml(upstream)) as gw, aiohttp.ClientSession() as http:
         seen = await statuses_and_fields(http, gw.url + "/only-shadow/x", 4)
-        assert seen == [(200, '"trial2";r=1;t=3600'), (200, '"trial2";r=0;t=7200'),
-                        (200, '"trial2";r=0;t=7200'), (200, '"trial2";r=0;t=7200')]
+        assert seen == [(200, '"trial2";r=1;t=3600'), (200, '"trial2";r=0;t=3600'),
+                        (200, '"trial2";r=0;t=3600'), (200, '"trial2";r=0;t=3600')]
         counts = await decisions(http, gw.admin_url)
     assert counts[("trial2", "allow")] == 2
     assert counts[("trial2", "shadow_limited")] == 2

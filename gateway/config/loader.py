@@ -1366,8 +1366,13 @@ def _route_path_error(path: str) -> str | None:
     """Why a route's `match.path` could never match a request path as gateway.proxy.paths
     reads it, or None if it can. It is written decoded, as the upstream's own routes are
     (`/files/my docs`, not `my%20docs`), and none of these survive into a decoded path."""
+    if path.startswith(("^", "~")):
+        return "a path is a literal prefix; nginx's `~` and a leading `^` are regex syntax: write match.regex"
     if not path.startswith("/"):
         return "expected a path starting with /"
+    foreign = _foreign_path_syntax(path)
+    if foreign is not None:
+        return foreign
     if _NOT_IN_ROUTE_PATH.search(path):
         return "write the path decoded, without %, ;, ?, #, \\ or control characters"
     for segment in path.rstrip("/").split("/")[1:]:
@@ -1375,6 +1380,28 @@ def _route_path_error(path: str) -> str | None:
             return "expected a path without empty, '.' or '..' segments"
         if segment != segment.strip(" "):
             return "a segment may not begin or end with a space"
+    return None
+
+
+def _foreign_path_syntax(path: str) -> str | None:
+    """The pattern syntax of other gateways and frameworks, which a literal path would
+    match only as written (`/static/*` matches no path but `/static/*` itself)."""
+    segments = path.rstrip("/").split("/")[1:]
+    # A glob as users write one: `*`, `**`, `api*`, `*.js`; a `*` inside a segment is a sub-delim.
+    starred = next((i for i, seg in enumerate(segments) if seg.endswith("*") or seg.startswith("*.")), None)
+    if starred is not None:
+        prefix = "/" + "/".join(segments[:starred])
+        return (
+            f"a path is a prefix on whole segments and * is no wildcard: `path: {prefix}` already matches "
+            f"{prefix} and everything under it; for a pattern write match.regex"
+        )
+    if any(segment.startswith(":") or (segment.startswith("{") and segment.endswith("}")) for segment in segments):
+        return (
+            "a segment such as :id or {id} is a parameter in Express, OpenAPI or Kong, but a literal here: "
+            "match the prefix before it, or write match.regex, such as '/users/[^/]+'"
+        )
+    if path.endswith("$"):
+        return "a trailing $ is regex syntax: for this path alone write match.exact, for a pattern match.regex"
     return None
 
 

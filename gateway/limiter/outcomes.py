@@ -4,7 +4,7 @@ for rate limits and concurrency limits alike. Plain strings, trusted by every re
 
 from __future__ import annotations
 
-from gateway.config.model import FailurePolicy
+from gateway.config.model import ConcurrencyLimit, FailurePolicy, Limit
 
 ALLOW = "allow"
 DENY = "deny"  # a rate limit had no room: the request was refused
@@ -17,3 +17,20 @@ ALLOWLISTED = "allowlisted"  # the limit's `allow` names the client: not checked
 FAIL_OPEN, FAIL_CLOSED, FAIL_LOCAL = "fail_open", "fail_closed", "fail_local"
 FAILURE_OUTCOME = {FailurePolicy.OPEN: FAIL_OPEN, FailurePolicy.CLOSED: FAIL_CLOSED, FailurePolicy.LOCAL: FAIL_LOCAL}
 FAILURE_OUTCOMES = frozenset(FAILURE_OUTCOME.values())
+
+
+def rate_limit_outcomes(limit: Limit) -> tuple[str, ...]:
+    """The decisions a rate limit can take on its own, besides `skipped`: the series of
+    gateway_limiter_decisions_total a dashboard reads, exported at 0 from the start."""
+    return (
+        ALLOW,
+        SHADOW_LIMITED if limit.shadow else DENY,
+        *((DELAYED,) if limit.max_delay else ()),
+        *((ALLOWLISTED,) if limit.allow is not None else ()),
+        FAILURE_OUTCOME[limit.on_store_error],
+    )
+
+
+def concurrency_outcomes(limit: ConcurrencyLimit) -> tuple[str, ...]:
+    """The same for a concurrency limit."""
+    return ALLOW, CONCURRENCY_LIMITED, FAILURE_OUTCOME[limit.on_store_error]

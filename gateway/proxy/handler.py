@@ -42,7 +42,7 @@ from gateway.proxy.problem import Answer, problem, problem_response
 from gateway.proxy.protocol import checked_host
 from gateway.proxy.health_checks import HealthChecks
 from gateway.proxy.ratelimit_headers import retry_after_seconds
-from gateway.proxy.route_plan import CONCURRENCY_RETRY_AFTER, Plans, RoutePlan, compile_plans
+from gateway.proxy.route_plan import Plans, RoutePlan, compile_plans
 from gateway.proxy.routing import ConditionRejected
 from gateway.proxy.tiers import held_to, tier_header, with_allowlisted
 from gateway.proxy.upstream_pool import TargetStates
@@ -62,7 +62,6 @@ STREAM_CHUNK_BYTES = 64 * 1024
 REQUEST_BUFFER_BYTES = 64 * 1024
 _RETRY_AFTER_ONE = {"Retry-After": "1"}  # shared safely: a Response copies the headers it is given
 _NO_FIELDS: dict[str, str] = {}  # the rate-limit fields of a route without limits; never written to
-_CONCURRENCY_RETRY_AFTER = {"Retry-After": str(retry_after_seconds(CONCURRENCY_RETRY_AFTER))}
 # nginx's status for a request whose client closed the connection before the answer:
 # logged and counted, never sent, and never a 5xx, which would page someone for a client's choice.
 CLIENT_CLOSED = 499
@@ -77,6 +76,7 @@ class ProxyHandler:
         # Everything compiled from the config sits behind this one reference.
         self._plans = compile_plans(config, metrics, self._targets.update(config))
         metrics.keep_targets(frozenset(t.name for t in self._plans.pool_targets))
+        metrics.keep_routes(self._plans.route_labels, self._plans.limit_names)
         self._health = HealthChecks(metrics.target_healthy, metrics.show_targets)
         self._limiter = limiter
         self._metrics = metrics
@@ -117,6 +117,7 @@ class ProxyHandler:
                 self._retiring.setdefault(url, self._generation)
         self._plans = plans
         self._metrics.keep_targets(frozenset(t.name for t in plans.pool_targets))
+        self._metrics.keep_routes(plans.route_labels, plans.limit_names)
         self._health.update(plans.pool_targets)
         self._close_retired()
 
@@ -513,7 +514,11 @@ def _concurrency_rejection(plan: RoutePlan, admission: Admission, limit_headers:
         names = tuple(s.limit.name for s in admission.statuses if s.outcome == FAIL_CLOSED)
         return problem_response(503, plan.store_unavailable(names).body(), headers=_RETRY_AFTER_ONE)
     refused = next(i for i, s in enumerate(admission.statuses) if s.outcome not in (ALLOW, SKIPPED, FAIL_OPEN))
-    return plan.concurrency[refused].limited.response({**limit_headers, **_CONCURRENCY_RETRY_AFTER})
+    limited = plan.concurrency[refused]
+    headers = {**limit_headers, **limited.fields}
+    # The rate limits' policy, when sent, lists the concurrency limits too.
+    headers.setdefault("RateLimit-Policy", plan.fields.concurrency_policy)
+    return limited.limited.response(headers)
 
 
 def _raw_path(request: web.BaseRequest) -> str | None:

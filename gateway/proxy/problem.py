@@ -22,6 +22,12 @@ _PROBLEM_CONTENT_TYPE_HEADER = PROBLEM_CONTENT_TYPE + "; charset=utf-8"
 _BLANK = "\x00"
 _BLANK_JSON = json.dumps(_BLANK)[1:-1].encode()
 
+# The problem types draft-ietf-httpapi-ratelimit-headers registers, each with the member
+# "violated-policies": the names of the limits (policies) concerned.
+QUOTA_EXCEEDED = "https://iana.org/assignments/http-problem-types#quota-exceeded"
+REDUCED_CAPACITY = "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity"
+VIOLATED_POLICIES = "violated-policies"
+
 
 class Answer(web.Response):
     """A response whose body is bytes and whose headers the caller has made, Content-Length
@@ -54,8 +60,9 @@ def answer(
     return Answer(status, body, real)
 
 
-def problem_body(status: int, title: str, detail: str, **extra: object) -> bytes:
-    body = {"type": "about:blank", "title": title, "status": status, "detail": detail, **extra}
+def problem_body(status: int, title: str, detail: str, *, kind: str = "about:blank", **extra: object) -> bytes:
+    """`kind`: the problem's type URI; about:blank says the status alone tells what happened."""
+    body = {"type": kind, "title": title, "status": status, "detail": detail, **extra}
     return json.dumps(body).encode()
 
 

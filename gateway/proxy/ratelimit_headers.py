@@ -1,27 +1,32 @@
 """The rate-limit fields of a response, in each limit's `response.headers` style,
 compiled per route at load time.
 
-`ietf` follows draft-ietf-httpapi-ratelimit-headers: `RateLimit-Policy` lists
-every ietf-style limit of the route, `"name";q=QUOTA;w=WINDOW, ...` (the draft
-allows a list), and `RateLimit: "name";r=REMAINING;t=RESET` names the one
-closest to exhaustion. `x-ratelimit` sends `X-RateLimit-Limit`,
-`X-RateLimit-Remaining` and `X-RateLimit-Reset` for the x-ratelimit-style limit
-closest to exhaustion, as GitHub and Kong do, except that the reset is seconds
-from now (as `t` and Retry-After are), not an epoch: the bucket runs on the
-store's clock, and a client's clock need not agree with it. `none` limits are
-not advertised. A route mixing styles sends each set for its own limits. A
-set is sent only when some limit in it is known, so a request no store answered
-(failed open, say) carries none: their absence says the store did not decide.
+`ietf` follows draft-ietf-httpapi-ratelimit-headers-12 (20 November 2026):
+`RateLimit-Policy` lists every ietf-style limit of the route,
+`"name";q=QUOTA;w=WINDOW, ...` (the draft allows a list), and each concurrency
+limit as `"name";q=N;qu="concurrent-requests"`; `RateLimit:
+"name";r=REMAINING;t=WINDOW` names the one closest to exhaustion, where `t` is
+the effective window: the seconds within which the client can use no more than
+the `r` left. `x-ratelimit` sends `X-RateLimit-Limit`, `X-RateLimit-Remaining`
+and `X-RateLimit-Reset` for the x-ratelimit-style limit closest to exhaustion,
+as GitHub and Kong do, except that the reset is seconds from now (as `t` and
+Retry-After are), not an epoch: the bucket runs on the store's clock, and a
+client's clock need not agree with it. `none` limits are not advertised. A route
+mixing styles sends each set for its own limits. A set is sent only when some
+limit in it is known, so a request no store answered (failed open, say) carries
+none: their absence says the store did not decide.
 
 For a token bucket the quota (`q`, `X-RateLimit-Limit`) is the burst, the window
 `w` the seconds an empty bucket takes to refill, the remaining the whole tokens
-left, and the reset the seconds until the bucket is full again. A limit decided
-by its `on_store_error: local` stand-in is described as that stand-in: its
-share of the burst and rate, the quota actually applied. A bucket in debt
-(`mode: delay`) shows 0 left, and resets when its debt is repaid and it is full.
-For a quota (a fixed window), `q` is its limit, `w` its window (a month's
-nominally 30 days), and the reset the seconds until its window ends, as the
-store's clock measured it.
+left, `t` the seconds until one token more than those is due (so on a 429 `t`
+is at most Retry-After, which waits for all the tokens the request costs), and
+`X-RateLimit-Reset` the seconds until the bucket is full again. A limit decided
+by its `on_store_error: local` stand-in is described as that stand-in: its share
+of the burst and rate, the quota actually applied. A bucket in debt (`mode:
+delay`) shows 0 left, and its `t` runs until its debt is repaid and one token is
+back. For a quota (a fixed window), `q` is its limit, `w` its window (a month's
+nominally 30 days), and both `t` and the reset the seconds until its window
+ends, as the store's clock measured it: nothing comes back before then.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gateway.config.model import HeaderStyle, Limit
+from gateway.config.model import ConcurrencyLimit, HeaderStyle, Limit
 from gateway.limiter.limiter import LimitStatus, local_share
 from gateway.limiter.outcomes import FAIL_LOCAL
 
@@ -72,13 +77,20 @@ class RateLimitFields:
     ietf: tuple[Advertised, ...]
     x: tuple[Advertised, ...]
     policy: str  # RateLimit-Policy while every ietf limit is decided as configured
+    concurrency_policy: str  # the items of the route's concurrency limits, which end every RateLimit-Policy
     # Some ietf limit has a local stand-in or tiers, whose policy may replace its own.
     varies: bool
     local_divisor: int  # store.local_divisor: the share a local stand-in of a tier applies
 
     @classmethod
-    def of(cls, limits: Sequence[tuple[Limit, Limit]], local_divisor: int = 1) -> RateLimitFields:
-        """`limits`: each limit of the route, in order, with its local stand-in."""
+    def of(
+        cls,
+        limits: Sequence[tuple[Limit, Limit]],
+        local_divisor: int = 1,
+        concurrency: Sequence[ConcurrencyLimit] = (),
+    ) -> RateLimitFields:
+        """`limits`: each rate limit of the route, in order, with its local stand-in;
+        `concurrency`: its concurrency limits."""
         advertised = [
             Advertised(
                 index=i,
@@ -92,10 +104,12 @@ class RateLimitFields:
         ]
         ietf = tuple(a for a in advertised if a.limit.response.headers is HeaderStyle.IETF)
         x = tuple(a for a in advertised if a.limit.response.headers is HeaderStyle.X_RATELIMIT)
+        concurrency_policy = ", ".join(concurrency_policy_item(limit) for limit in concurrency)
         return cls(
             ietf=ietf,
             x=x,
-            policy=", ".join(a.policy for a in ietf),
+            policy=", ".join([*(a.policy for a in ietf), *filter(None, [concurrency_policy])]),
+            concurrency_policy=concurrency_policy,
             varies=any(a.local is not a.limit or a.limit.tiers is not None for a in ietf),
             local_divisor=local_divisor,
         )
@@ -107,16 +121,17 @@ class RateLimitFields:
         chosen = _chosen(statuses, self.ietf, divisor)
         if chosen is not None:
             if self.varies and not all(a.as_configured(statuses[a.index]) for a in self.ietf):
-                fields["RateLimit-Policy"] = ", ".join(a.policy_for(statuses[a.index], divisor) for a in self.ietf)
+                items = [a.policy_for(statuses[a.index], divisor) for a in self.ietf]
+                fields["RateLimit-Policy"] = ", ".join([*items, *filter(None, [self.concurrency_policy])])
             else:
                 fields["RateLimit-Policy"] = self.policy
             status = statuses[chosen.index]
-            limit, remaining, reset = _state(chosen.applied(status, divisor), status)
-            fields["RateLimit"] = f'"{limit.name}";r={remaining};t={reset}'
+            limit, remaining, window, _ = _state(chosen.applied(status, divisor), status)
+            fields["RateLimit"] = f'"{limit.name}";r={remaining};t={window}'
         chosen = _chosen(statuses, self.x, divisor)
         if chosen is not None:
             status = statuses[chosen.index]
-            limit, remaining, reset = _state(chosen.applied(status, divisor), status)
+            limit, remaining, _, reset = _state(chosen.applied(status, divisor), status)
             fields["X-RateLimit-Limit"] = str(math.floor(limit.burst))
             fields["X-RateLimit-Remaining"] = str(remaining)
             fields["X-RateLimit-Reset"] = str(reset)
@@ -154,20 +169,31 @@ def _decided_locally(status: LimitStatus) -> bool:
     return status.outcome == FAIL_LOCAL and status.remaining is not None
 
 
-def _state(limit: Limit, status: LimitStatus) -> tuple[Limit, int, int]:
-    """The limit applied, its whole tokens left, and the whole seconds until it is full
-    (for a quota, until its window ends)."""
+def _state(limit: Limit, status: LimitStatus) -> tuple[Limit, int, int, int]:
+    """The limit applied, its whole tokens left, the effective window (whole seconds until
+    one more token than those is due; for a quota, until its window ends), and the whole
+    seconds until it is full again (for a quota, the same)."""
     held = status.remaining or 0.0  # below 0 for a bucket in debt (mode: delay)
+    left = math.floor(max(0.0, held))
     if status.reset is not None:
-        reset = math.ceil(status.reset)
+        window = full = math.ceil(status.reset)
     else:
-        reset = math.ceil((limit.burst - held) / limit.rate.per_second) if held < limit.burst else 0
-    return limit, math.floor(max(0.0, held)), reset
+        # Within this many seconds the client can use no more than `left`; a full bucket's
+        # next token comes one refill interval after the client spends one.
+        window = math.ceil((left + 1 - held) / limit.rate.per_second)
+        full = math.ceil((limit.burst - held) / limit.rate.per_second) if held < limit.burst else 0
+    return limit, left, window, full
 
 
 def policy(limit: Limit) -> str:
     """The RateLimit-Policy item of `limit`, which depends on the config alone."""
     return f'"{limit.name}";q={math.floor(limit.burst)};w={max(1, math.ceil(limit.refill_seconds))}'
+
+
+def concurrency_policy_item(limit: ConcurrencyLimit) -> str:
+    """The RateLimit-Policy item of a concurrency limit: its quota is requests in flight,
+    a unit the draft registers, over no window."""
+    return f'"{limit.name}";q={limit.concurrency};qu="concurrent-requests"'
 
 
 def retry_after_seconds(seconds: float) -> int:

@@ -28,6 +28,7 @@ from multidict import CIMultiDict
 
 from gateway.access_log import PROCESS_LOG_SECRET
 from gateway.config.model import (
+    Balance,
     ConcurrencyLimit,
     FailurePolicy,
     ForwardedHeaders,
@@ -36,19 +37,27 @@ from gateway.config.model import (
     Limit,
     Match,
     PathNormalization,
-    Balance,
     Route,
     UpstreamPool,
 )
 from gateway.limiter.limiter import local_share
-from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics
+from gateway.limiter.outcomes import concurrency_outcomes, rate_limit_outcomes
+from gateway.metrics import NO_TARGET, QUEUE_FULL, UNMATCHED_ROUTE, Children, Metrics
 from gateway.proxy.client_identity import ClientIdentity, IdentityKey, RouteIdentity
 from gateway.proxy.headers import GATEWAY_WRITTEN, cgi_name
 from gateway.proxy.location import LocationRewrite
-from gateway.proxy.problem import PROBLEM_CONTENT_TYPE, Problem, ProblemTemplate, problem_body
+from gateway.proxy.problem import (
+    PROBLEM_CONTENT_TYPE,
+    QUOTA_EXCEEDED,
+    REDUCED_CAPACITY,
+    VIOLATED_POLICIES,
+    Problem,
+    ProblemTemplate,
+    problem_body,
+)
 from gateway.proxy.ratelimit_headers import RateLimitFields, retry_after_seconds
 from gateway.proxy.routing import Router
-from gateway.proxy.upstream_pool import Balancer, TargetState
+from gateway.proxy.upstream_pool import Balancer, Outcome, TargetState
 
 _NO_RULES = HeaderRules()  # a route without request_headers or response_headers
 
@@ -98,6 +107,7 @@ class ConcurrencyPlan:
     decisions: Children  # gateway_limiter_decisions_total for this route and limit, by decision
     in_flight: Any  # the gateway_concurrency_in_flight child of this limit
     limited: Problem  # the 429
+    fields: dict[str, str]  # its RateLimit (none left, no window known) and Retry-After
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +222,11 @@ class RoutePlan:
         template = self._rejections.get((503, names, True))
         if template is None:
             template = self._rejections[(503, names, True)] = ProblemTemplate.of(
-                503, _TITLES[503], "The rate-limit store is unavailable and this limit fails closed.", limits=names
+                503,
+                _TITLES[503],
+                "The rate-limit store is unavailable and this limit fails closed.",
+                kind=REDUCED_CAPACITY,
+                **{VIOLATED_POLICIES: names},
             )
         return template
 
@@ -222,7 +236,13 @@ _TITLES = {429: "Too Many Requests", 503: "Service Unavailable"}
 
 def _rejection_template(status: int, names: tuple[str, ...]) -> ProblemTemplate:
     listed = ", ".join(repr(name) for name in names)
-    return ProblemTemplate.of(status, _TITLES[status], f"Rate limit {listed} exceeded; retry in {{}} s.", limits=names)
+    return ProblemTemplate.of(
+        status,
+        _TITLES[status],
+        f"Rate limit {listed} exceeded; retry in {{}} s.",
+        kind=QUOTA_EXCEEDED,
+        **{VIOLATED_POLICIES: names},
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +256,8 @@ class Plans:
     unmatched: Children  # gateway_requests_total for requests no route takes, by method and status class
     upstreams: tuple[str, ...]  # every base URL a request may go to, pool targets included
     pool_targets: tuple[TargetPlan, ...]  # each target of every pool, once
+    route_labels: frozenset[str]  # each route as metrics label it
+    limit_names: frozenset[str]  # each limit some route applies, rate and concurrency limits alike
     max_in_flight: int
     max_delayed: int  # requests one worker holds waiting out a mode: delay wait
     shed: Problem  # the 503 past max_in_flight
@@ -260,6 +282,10 @@ def compile_plans(config: GatewayConfig, metrics: Metrics, states: Mapping[str, 
         unmatched=Children(metrics.requests, ("method", "status_class"), route=UNMATCHED_ROUTE),
         upstreams=tuple(sorted({target.url for plan in routes for target in plan.pool.targets})),
         pool_targets=tuple(targets.values()),
+        route_labels=frozenset(plan.label for plan in routes),
+        limit_names=frozenset(
+            name for route in config.routes for name in (*(rl.limit.name for rl in route.limits), *(c.name for c in route.concurrency))
+        ),
         max_in_flight=config.max_in_flight,
         max_delayed=config.max_delayed,
         shed=Problem.of(
@@ -285,7 +311,7 @@ def _pool_plan(
                 state=states[target.url],
                 requests=metrics.target_requests.labels(target=target.name),
                 latency=metrics.target_latency.labels(target=target.name),
-                errors=Children(metrics.target_errors, ("kind",), target=target.name),
+                errors=Children(metrics.target_errors, ("kind",), target=target.name).export(*_ERROR_KINDS),
                 ejections=metrics.target_ejections.labels(target=target.name),
             )
         plans.append(plan)
@@ -297,6 +323,8 @@ def _pool_plan(
     )
 
 
+# The kinds of failed attempt a target can have: its gateway_upstream_target_errors_total series.
+_ERROR_KINDS = tuple((outcome.value,) for outcome in Outcome if outcome is not Outcome.ANSWERED)
 _NO_TARGET = Problem.of(503, "Service Unavailable", "No upstream target is in rotation; retry shortly.")
 
 
@@ -348,7 +376,9 @@ def _route_plan(
             LimitPlan(
                 limit=rl.limit,
                 cost=rl.cost,
-                decisions=Children(metrics.decisions, ("decision",), route=label, limit=rl.limit.name),
+                decisions=Children(metrics.decisions, ("decision",), route=label, limit=rl.limit.name).export(
+                    *((outcome,) for outcome in rate_limit_outcomes(rl.limit))
+                ),
                 rejection=Rejection.of(rl.limit),
                 classified=rl.limit.tiers is not None or rl.limit.allow is not None,
             )
@@ -367,6 +397,7 @@ def _route_plan(
                 for rl in route.limits
             ],
             local_divisor,
+            route.concurrency,
         ),
         upstream_timeout=problem_body(
             504,
@@ -385,9 +416,11 @@ def _route_plan(
             f"No connection to the upstream came free within {timeout.queue:g} s; retry shortly.",
         ),
         requests=Children(metrics.requests, ("method", "status_class"), route=label),
-        upstream_latency=Children(metrics.upstream_latency, route=label),
-        client_closed=Children(metrics.client_closed, route=label),
-        unavailable=Children(metrics.upstream_unavailable, ("reason",), route=label),
+        upstream_latency=Children(metrics.upstream_latency, route=label).export(()),
+        client_closed=Children(metrics.client_closed, route=label).export(()),
+        unavailable=Children(metrics.upstream_unavailable, ("reason",), route=label).export(
+            (QUEUE_FULL,), *([(NO_TARGET,)] if isinstance(route.upstream, UpstreamPool) else [])
+        ),
         pool=pool,
         total_timeout=timeout.total,
         retried=metrics.retries.labels(route=label) if isinstance(route.upstream, UpstreamPool) else UNCOUNTED,
@@ -399,13 +432,17 @@ def _route_plan(
 def _concurrency_plan(limit: ConcurrencyLimit, label: str, metrics: Metrics) -> ConcurrencyPlan:
     return ConcurrencyPlan(
         limit=limit,
-        decisions=Children(metrics.decisions, ("decision",), route=label, limit=limit.name),
+        decisions=Children(metrics.decisions, ("decision",), route=label, limit=limit.name).export(
+            *((outcome,) for outcome in concurrency_outcomes(limit))
+        ),
         in_flight=metrics.concurrency_in_flight.labels(limit=limit.name),
         limited=Problem.of(
             429,
             "Too Many Requests",
             f"Concurrency limit {limit.name!r} reached: {limit.concurrency} requests already in flight; "
             f"retry in {retry_after_seconds(CONCURRENCY_RETRY_AFTER)} s.",
-            limits=[limit.name],
+            kind=QUOTA_EXCEEDED,
+            **{VIOLATED_POLICIES: [limit.name]},
         ),
+        fields={"RateLimit": f'"{limit.name}";r=0', "Retry-After": str(retry_after_seconds(CONCURRENCY_RETRY_AFTER))},
     )

@@ -19,11 +19,11 @@ from tests.bench.low_level_server import Handler, serve
 
 BODY = json.dumps(
     {
-        "type": "about:blank",
+        "type": "https://iana.org/assignments/http-problem-types#quota-exceeded",
         "title": "Too Many Requests",
         "status": 429,
         "detail": "Rate limit 'bench' exceeded; retry in 3600 s.",
-        "limits": ["bench"],
+        "violated-policies": ["bench"],
     }
 ).encode()
 HEADERS = CIMultiDictProxy(
