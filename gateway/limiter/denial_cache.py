@@ -37,9 +37,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.config.model import Limit
+from gateway.limiter.keys import memory_key
 from gateway.limiter.store import LimitCheck
 
-# Enough for every client flooding one gateway at once; ~200 bytes each.
+# Enough for every client flooding one gateway at once; ~250 bytes each, long identities
+# held by their digest (gateway.limiter.keys.memory_key), so at most ~16 MB.
 DEFAULT_MAX_ENTRIES = 65_536
 # NTP keeps clocks within 500 ppm of each other even while slewing; a cached
 # denial gives up a thousandth of its length, and a millisecond for rounding.
@@ -76,11 +78,11 @@ class DenialCache:
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, *, max_hold: float = float("inf")) -> None:
         self._max_entries = max_entries
         self._max_hold = max_hold
-        # (limit name, identity, cost) -> (limit, until, remaining, sent_at, passes_at). The
+        # (limit name, memory_key(identity), cost) -> (limit, until, remaining, sent_at, passes_at). The
         # limit itself is kept so that one a reload changed never matches; an unchanged one
         # (equal, though a new object) takes the entry over on first use. `until`
         # ends the hold; `passes_at`, without the margins, is what a Retry-After advertises.
-        self._entries: dict[tuple[str, str, int], tuple[Limit, float, float, float, float]] = {}
+        self._entries: dict[tuple[str, str | bytes, int], tuple[Limit, float, float, float, float]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -92,7 +94,7 @@ class DenialCache:
             return None
         for index, check in enumerate(checks):
             limit, cost = check.limit, check.cost
-            key = (limit.name, check.identity, cost)
+            key = (limit.name, memory_key(check.identity), cost)
             entry = entries.get(key)
             if entry is None:
                 continue
@@ -114,17 +116,19 @@ class DenialCache:
         """How long the longest cached denial of one bucket, of any cost, still lasts; 0 if none.
         Only denials `lookup` would answer count: one cached for a limit a reload changed is
         not. Scans every entry: for the admin API, never the request path."""
+        held = memory_key(identity)
         ends = [
             entry[1]
             for key, entry in self._entries.items()
-            if key[0] == limit.name and key[1] == identity and (entry[0] is limit or entry[0] == limit)
+            if key[0] == limit.name and key[1] == held and (entry[0] is limit or entry[0] == limit)
         ]
         return max([until - now for until in ends if until > now], default=0.0)
 
     def forget(self, limit_name: str, identity: str) -> int:
         """Drop the denials of one bucket, whatever their cost (the bucket was reset); how many.
         Scans every entry: for the admin API, never the request path."""
-        doomed = [key for key in self._entries if key[0] == limit_name and key[1] == identity]
+        held = memory_key(identity)
+        doomed = [key for key in self._entries if key[0] == limit_name and key[1] == held]
         for key in doomed:
             del self._entries[key]
         return len(doomed)
@@ -143,7 +147,7 @@ class DenialCache:
         until = min(held_until(sent_at, wait), sent_at + max_hold)
         if until <= sent_at:
             return
-        key = (limit.name, check.identity, check.cost)
+        key = (limit.name, memory_key(check.identity), check.cost)
         entries = self._entries
         entries.pop(key, None)  # re-inserted last: the dict's order is the eviction order
         if len(entries) >= self._max_entries:

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 
 from gateway.config.loader import redacted_url
 from gateway.config.model import ConcurrencyLimit, Limit, StoreConfig
-from gateway.limiter.keys import bucket_key, identity_digest, lease_key
+from gateway.limiter.keys import COMPACT_IDENTITY, bucket_key, identity_digest, lease_key
 from gateway.limiter import redis_cluster, redis_sentinel
 from gateway.limiter.check_batches import CheckBatches
 from gateway.limiter.redis_cluster import RedisCluster, key_slot
@@ -73,8 +73,9 @@ LEASE_DELETE_SCRIPT = (
 # Formatted script arguments kept, one per limit object, cost and max_delay: far more than a
 # config has. Each reload brings new limit objects, so past this the cache starts over.
 ARGS_CACHE_ENTRIES = 4096
-# Bucket keys kept, one per (limit, identity): a few MB, and more clients than one process
-# sees within a refill period on most deployments; past this the cache starts over.
+# Bucket keys kept, one per (limit, identity) of at most COMPACT_IDENTITY characters (~30 MB
+# at most), more clients than one process sees within a refill period on most
+# deployments; past this the cache starts over.
 KEYS_CACHE_ENTRIES = 65536
 REFUND_SCRIPT_NAME = "token_refund.lua"
 CONCURRENCY_SCRIPT_NAME = "concurrency_lease.lua"
@@ -428,10 +429,13 @@ class RedisStore:
         for c in checks:
             key = cache.get((c.limit.name, c.identity))
             if key is None:
-                if len(cache) >= KEYS_CACHE_ENTRIES:
-                    cache.clear()
                 key = bucket_key(self._config.prefix, c.limit.name, identity_digest(secret, c.identity))
-                cache[(c.limit.name, c.identity)] = key
+                # A long identity is hashed each time: kept, a client minting long ones would
+                # make the cache hold every one of them whole.
+                if len(c.identity) <= COMPACT_IDENTITY:
+                    if len(cache) >= KEYS_CACHE_ENTRIES:
+                        cache.clear()
+                    cache[(c.limit.name, c.identity)] = key
             keys.append(key)
         return keys
 

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from gateway.config.model import Limit
+from gateway.limiter.keys import memory_key
 from gateway.limiter.store import LimitCheck
 
 # One per leasing client per process; ~200 bytes each.
@@ -41,7 +42,7 @@ DEFAULT_MAX_ENTRIES = 65_536
 # follows the clients that lease, and no grant pays for a long quiet spell.
 FORGET_PER_GRANT = 8
 
-_Key = tuple[str, str]  # (limit name, identity)
+_Key = tuple[str, str | bytes]  # (limit name, memory_key(identity))
 
 
 @dataclass(slots=True)
@@ -66,7 +67,7 @@ class Leases:
     def take(self, check: LimitCheck, now: float) -> float | None:
         """Spend the check's cost from its lease: the tokens left then (the store's as of
         the last grant, plus the lease's), or None when the lease cannot pay."""
-        key = (check.limit.name, check.identity)
+        key = (check.limit.name, memory_key(check.identity))
         lease = self._held.get(key)
         if lease is None:
             return None
@@ -85,13 +86,13 @@ class Leases:
 
     def unspent(self, check: LimitCheck) -> int:
         """The tokens the check's lease holds (0 for none)."""
-        lease = self._held.get((check.limit.name, check.identity))
+        lease = self._held.get((check.limit.name, memory_key(check.identity)))
         return lease.tokens if lease is not None and _same(lease.limit, check.limit) else 0
 
     def grant(self, check: LimitCheck, tokens: int, remaining: float, now: float) -> None:
         """Hold `tokens` more for the check's bucket, which the store left at `remaining`;
         what is unspent lapses `lease_lapse` from now."""
-        key = (check.limit.name, check.identity)
+        key = (check.limit.name, memory_key(check.identity))
         held = self._held.pop(key, None)  # re-inserted last
         if held is not None and _same(held.limit, check.limit) and held.expires > now:
             tokens += held.tokens
@@ -111,7 +112,7 @@ class Leases:
         requests that find the lease empty while others hold its tokens refill it, so the
         tokens coming back can outnumber a lease, and a process holding more than
         max(lease, cost) would under-admit the fleet past the bound, then let them lapse."""
-        lease = self._held.get((check.limit.name, check.identity))
+        lease = self._held.get((check.limit.name, memory_key(check.identity)))
         if lease is None or not _same(lease.limit, check.limit) or lease.expires <= now:
             return 0
         lease.tokens += check.cost
@@ -123,18 +124,18 @@ class Leases:
 
     def forget(self, limit_name: str, identity: str) -> None:
         """Drop a bucket's lease (the bucket was reset)."""
-        self._held.pop((limit_name, identity), None)
+        self._held.pop((limit_name, memory_key(identity)), None)
 
     def refilling(self, check: LimitCheck) -> asyncio.Future[bool] | None:
         """The refill of the check's lease in flight, if any. Its result: whether the
         store answered it; if so `take` again, and if not, the store just failed."""
-        return self._refills.get((check.limit.name, check.identity))
+        return self._refills.get((check.limit.name, memory_key(check.identity)))
 
     @contextlib.contextmanager
     def refill(self, check: LimitCheck) -> Iterator[asyncio.Future[bool]]:
         """Mark a refill of the check's lease in flight until the block ends. Set the
         future's result to False when the store failed; it is True otherwise."""
-        key = (check.limit.name, check.identity)
+        key = (check.limit.name, memory_key(check.identity))
         done = self._refills[key] = asyncio.get_running_loop().create_future()
         try:
             yield done

@@ -58,6 +58,10 @@ ADDRESS_MEMO_SIZE = 4096
 ADDRESS_MEMO_KEY_CHARS = 64
 _UNREAD: Any = object()  # a request's token claims, before anyone asked for them
 GLOBAL_VALUE = "*"  # the one value of `global`, which every request shares
+# The longest identity value a limit reads: API keys, session ids and JWT subjects are
+# tens to a few hundred characters. A client choosing 8 KB keys would otherwise make the
+# gateway hold 8 KB per key it remembers (denial cache, leases, the admin's top list).
+MAX_IDENTITY_LENGTH = 1024
 
 
 class IdentityRejected(Exception):
@@ -71,6 +75,15 @@ class IdentityRejected(Exception):
     def __init__(self, detail: str) -> None:
         super().__init__(detail)
         self.detail = detail
+
+
+class IdentityTooLong(IdentityRejected):
+    """An identity value past MAX_IDENTITY_LENGTH: 431, the status for a header too large,
+    which is where such values come from (a query's gets the same, as nginx's 414 is for a
+    whole target)."""
+
+    status = 431
+    title = "Request Header Fields Too Large"
 
 
 class TokenRejected(IdentityRejected):
@@ -268,6 +281,11 @@ class ClientIdentity:
                 else:
                     value = self._read(request, source, route, client_ip, claims)
                 if value:
+                    if len(value) > MAX_IDENTITY_LENGTH:
+                        raise IdentityTooLong(
+                            f"The client's identity (from {source.kind}) is longer than "
+                            f"{MAX_IDENTITY_LENGTH} characters."
+                        )
                     identity = prefix + value
                     break
             found.append(identity or "ip=" + client_ip)
