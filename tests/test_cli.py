@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from gateway import __version__
-from tests.examples import ISSUE_EXAMPLE
+from tests.examples import ALIAS_BOMBS, ISSUE_EXAMPLE
 from tests.processes import GatewayProcess, eventually, free_port, run_cli, wait_until
 
 VENV_GATEWAY = Path(sys.executable).parent / "gateway"
@@ -264,6 +264,12 @@ def test_invalid_config_exits_2_with_one_line_naming_file_and_path(tmp_path, com
     path = write(tmp_path, text)
     line = assert_one_line_error(run_cli(command, "-c", path), expected)
     assert line.startswith(f"gateway: {path}: ")
+
+
+@pytest.mark.parametrize("command", ["check", "run"])
+@pytest.mark.parametrize("text", ALIAS_BOMBS.values(), ids=ALIAS_BOMBS.keys())
+def test_an_alias_bomb_exits_2_with_one_line(tmp_path, command, text):
+    assert_one_line_error(run_cli(command, "-c", write(tmp_path, text)), "aliases expand the document by more than")
 
 
 @pytest.mark.parametrize("command", ["check", "run"])

@@ -11,7 +11,7 @@ from gateway.config.model import FailurePolicy, IdentitySource, PathForm, ValueM
 from gateway.config.regex import Regex
 from gateway.limiter.redis_cluster import parse_cluster_url
 from gateway.limiter.redis_sentinel import parse_sentinel_url
-from tests.examples import ISSUE_EXAMPLE
+from tests.examples import ALIAS_BOMBS, ISSUE_EXAMPLE
 
 SOURCE = "gw.yaml"
 REPO = Path(__file__).resolve().parent.parent
@@ -551,6 +551,28 @@ ERROR_CASES = {
 def test_invalid_config_is_one_line_naming_file_path_and_expectation(text, expected):
     message = error_of(text)
     assert expected in message
+
+
+# --- YAML aliases ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ALIAS_BOMBS.values(), ids=ALIAS_BOMBS.keys())
+def test_an_alias_bomb_is_refused_before_its_aliases_are_expanded(text):
+    assert "aliases expand the document by more than 100,000 values" in error_of(text)
+
+
+def test_an_alias_inside_its_own_anchor_is_refused():
+    assert "an alias is used inside the anchor it names" in error_of("routes: &r [*r]\n")
+
+
+def test_aliases_that_share_a_block_among_many_routes_are_read():
+    """Sharing is what aliases are for: a thousand routes merging one route's settings add
+    ~12,000 values, well inside the bound."""
+    first = "  - &first {match: {path: /r0}, upstream: http://127.0.0.1:9000, timeout: {connect: 1s, read: 2s}}\n"
+    rest = "".join(f"  - {{<<: *first, match: {{path: /r{i}}}}}\n" for i in range(1, 1000))
+    config = parse("routes:\n" + first + rest)
+    assert len(config.routes) == 1000
+    assert {route.timeout.read for route in config.routes} == {2.0}
 
 
 # --- reading the file ----------------------------------------------------------------

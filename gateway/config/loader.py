@@ -19,7 +19,7 @@ from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 import yaml
 
-from gateway.config import jwt_keys, tls
+from gateway.config import jwt_keys, safe_yaml, tls
 from gateway.config.body_template import parse_body_template, parse_content_type
 from gateway.config.regex import Regex
 from gateway.config.model import (
@@ -209,30 +209,6 @@ class ConfigError(Exception):
         super().__init__(message)
 
 
-class _SafeLoaderRejectingDuplicates(yaml.SafeLoader):
-    """yaml.safe_load's loader, except that a key given twice in one mapping is an
-    error: plain YAML keeps the last one silently, so a second `per_client` under
-    `limits` would replace the first without a word."""
-
-    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
-        if isinstance(node, yaml.MappingNode):
-            seen: set[Any] = set()
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue  # `<<: *anchor` may be overridden by the keys beside it
-                key = self.construct_object(key_node, deep=deep)
-                try:
-                    duplicate = key in seen
-                    seen.add(key)
-                except TypeError:
-                    continue  # unhashable: the base class reports it
-                if duplicate:
-                    raise yaml.constructor.ConstructorError(
-                        "while constructing a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark
-                    )
-        return super().construct_mapping(node, deep=deep)
-
-
 class _Reader:
     """Walks the parsed document, remembering the YAML path for error messages."""
 
@@ -307,8 +283,8 @@ def load_config(path: str) -> GatewayConfig:
 def parse_config(text: str, *, source: str, environ: Mapping[str, str]) -> GatewayConfig:
     reader = _Reader(source)
     try:
-        # safe_load, plus rejecting duplicate keys: plain data only, never Python objects.
-        document = yaml.load(text, Loader=_SafeLoaderRejectingDuplicates)
+        # Plain data only, never Python objects; aliases bounded before the tree is walked.
+        document = safe_yaml.load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -972,7 +948,7 @@ def _tier_members(file: str, path: str, limits: Mapping[str, Limit], r: _Reader)
     except UnicodeDecodeError:
         r.fail(path, f"cannot read {file!r}: not UTF-8 text")
     try:
-        document = yaml.load(text, Loader=_SafeLoaderRejectingDuplicates)
+        document = safe_yaml.load(text)
     except yaml.YAMLError as exc:
         r.fail(path, f"{file}: malformed YAML: {getattr(exc, 'problem', None) or str(exc).splitlines()[0]}")
     inner = _Reader(f"{r.source}: {path}: {file}")
