@@ -255,6 +255,15 @@ CLI_ERRORS = {
         "check", "store: {url: '${GATEWAY_TEST_UNSET_VAR}'}\nroutes: [{match: {path: /}, upstream: 'http://h:1'}]\n",
         "store.url: environment variable GATEWAY_TEST_UNSET_VAR is not set",
     ),
+    "a rate whose period reads as inf": (
+        "run", "limits:\n  a: {rate: 1/" + "9" * 400 + "s, burst: 1}\nroutes: [{match: {path: /}, upstream: 'http://h:1', limits: [a]}]\n",
+        "limits.a.rate: expected a rate whose period is from 0.001ms to 365d"),
+    "a denormal rate": (
+        "run", "limits:\n  a: {rate: 0." + "0" * 315 + "1/second, burst: 1}\nroutes: [{match: {path: /}, upstream: 'http://h:1', limits: [a]}]\n",
+        "limits.a.rate: expected a rate of at least 1/year"),
+    "a 400-digit duration": (
+        "check", "shutdown_grace: 1" + "0" * 400 + "s\nroutes: [{match: {path: /}, upstream: 'http://h:1'}]\n",
+        "shutdown_grace: expected a duration from 0.001ms to 365d"),
     "bad listen address": ("run", "listen: localhost\nroutes: [{match: {path: /}, upstream: 'http://h:1'}]\n", "listen: expected HOST:PORT"),
 }
 

@@ -386,6 +386,26 @@ ERROR_CASES = {
         "limits:\n  a: {rate: 100000000000000000000/second}\n" + ROUTE, "limits.a.rate: a burst of 1e+20 is more than the"),
     "quota past exact counting": (
         "limits:\n  a: {quota: {limit: 10000000000000000, per: day}}\n" + ROUTE, "limits.a.quota.limit: expected an integer <="),
+    "a 400-digit duration": ("shutdown_grace: 1" + "0" * 400 + "s\n" + ROUTE, "shutdown_grace: expected a duration from"),
+    "a lease_ttl that reads as inf": (
+        "store: {url: 'redis://h/0'}\nlimits:\n  c: {concurrency: 2, lease_ttl: 1" + "0" * 400 + "s}\n" + ROUTE,
+        "limits.c.lease_ttl: expected a duration from 0.001ms to 365d"),
+    "a rate whose period reads as inf": (
+        "limits:\n  a: {rate: 1/" + "9" * 400 + "s, burst: 1}\n" + ROUTE, "limits.a.rate: expected a rate whose period is"),
+    "a denormal rate": (
+        "limits:\n  a: {rate: 0." + "0" * 315 + "1/second, burst: 1}\n" + ROUTE, "limits.a.rate: expected a rate of at least 1/year"),
+    "a rate count that reads as inf": (
+        "limits:\n  a: {rate: 1" + "0" * 400 + "/second}\n" + ROUTE, "limits.a.rate: expected a rate with a count of at most"),
+    "an integer past any range": (
+        "upstream_connections: 1" + "0" * 400 + "\n" + ROUTE,
+        "upstream_connections: expected an integer <= 1,000,000,000,000,000, got a number past 10**40"),
+    "an integer Python will not read": ("max_in_flight: " + "9" * 5000 + "\n" + ROUTE, "line 1, column 16: an integer with more digits"),
+    "an integer past any range from the environment": (
+        "max_delayed: ${BIG}\n" + ROUTE, "max_delayed: expected an integer <= 1,000,000,000,000,000, got 10,000,000,000,000,000"),
+    "workers past any machine": ("workers: 5000\nstore: {url: 'redis://h/0'}\n" + ROUTE, "workers: expected an integer <= 1,024"),
+    "a size past a tebibyte": (
+        "routes:\n  - match: {path: /}\n    upstream: http://h:1\n    max_body_size: 2048GiB\n",
+        "routes[0].max_body_size: expected a size of at most 1024GiB"),
     "burst wrong type": ("limits:\n  a: {rate: 1/second, burst: lots}\n" + ROUTE, "limits.a.burst: expected an integer"),
     "routes wrong type": ("routes: {path: /}\n", "routes: expected a list, got a mapping"),
     "limits wrong type": ("limits: [a]\n" + ROUTE, "limits: expected a mapping, got a list"),
@@ -549,7 +569,7 @@ ERROR_CASES = {
 
 @pytest.mark.parametrize(("text", "expected"), ERROR_CASES.values(), ids=ERROR_CASES.keys())
 def test_invalid_config_is_one_line_naming_file_path_and_expectation(text, expected):
-    message = error_of(text)
+    message = error_of(text, {"BIG": "10000000000000000"})
     assert expected in message
 
 

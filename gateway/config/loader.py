@@ -85,6 +85,8 @@ DEFAULT_ADMIN_LISTEN = "127.0.0.1:9090"
 # Long enough for ordinary API calls to finish, short enough for an orchestrator's
 # default 30 s termination grace period.
 DEFAULT_SHUTDOWN_GRACE = "20s"
+# Processes, each a full gateway: far past the cores of any one machine.
+MAX_WORKERS = 1024
 DEFAULT_MAX_IN_FLIGHT = 1024  # per process; wrk: req/s flat from 100 to 2000 in flight, falling by 4000, so ~0.5 s of queue
 DEFAULT_CONNECT_TIMEOUT = "5s"
 DEFAULT_READ_TIMEOUT = "60s"
@@ -243,13 +245,14 @@ class _Reader:
             self.fail(path, f"expected true or false, got {_type_name(value)}")
         return value
 
-    def integer(self, value: Any, path: str, *, minimum: int, maximum: int | None = None) -> int:
+    def integer(self, value: Any, path: str, *, minimum: int, maximum: int = MAX_COUNT) -> int:
+        """A whole number in [minimum, maximum]: every number in the config has a finite range."""
         if isinstance(value, bool) or not isinstance(value, int):
             self.fail(path, f"expected an integer, got {_type_name(value)}")
         if value < minimum:
-            self.fail(path, f"expected an integer >= {minimum}, got {value}")
-        if maximum is not None and value > maximum:
-            self.fail(path, f"expected an integer <= {maximum:,}, got {value:,}")
+            self.fail(path, f"expected an integer >= {minimum}, got {_shown_integer(value)}")
+        if value > maximum:
+            self.fail(path, f"expected an integer <= {maximum:,}, got {_shown_integer(value)}")
         return value
 
     def count(self, value: Any, path: str) -> int:
@@ -323,7 +326,7 @@ def _interpolate(value: Any, path: str, environ: Mapping[str, str], reader: _Rea
         # A value that is one whole ${VAR} takes the type its text has in YAML,
         # so `workers: ${WORKERS:-1}` is an integer, not the string "1".
         try:
-            scalar = yaml.safe_load(result) if result else result
+            scalar = safe_yaml.load(result) if result else result
         except yaml.YAMLError:
             return result
         if isinstance(scalar, (int, float, bool)) or scalar is None:
@@ -360,7 +363,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
     )
     listen, listen_tls = _listen(top.get("listen", DEFAULT_LISTEN), r)
     admin_listen = r.parsed(parse_address, top.get("admin_listen", DEFAULT_ADMIN_LISTEN), "admin_listen")
-    workers = r.integer(top.get("workers", 1), "workers", minimum=1)
+    workers = r.integer(top.get("workers", 1), "workers", minimum=1, maximum=MAX_WORKERS)
     max_in_flight = r.integer(top.get("max_in_flight", DEFAULT_MAX_IN_FLIGHT), "max_in_flight", minimum=1)
     store = _store(top["store"], r) if top.get("store") is not None else None
     if workers > 1 and store is None:
@@ -1370,6 +1373,12 @@ def _route_limit(
                 f"cost {cost} is greater than the burst {tier.burst:g} of tier {tier.name!r}; its clients could never pass",
             )
     return RouteLimit(limit=limit, cost=cost)
+
+
+def _shown_integer(value: int) -> str:
+    """`value` for an error line, its digits grouped; past 40 digits not its digits, so the
+    line stays readable (and int-to-str's 4300-digit limit is never reached)."""
+    return f"{value:,}" if abs(value) < 10**40 else f"{'-' if value < 0 else ''}a number past 10**40"
 
 
 def _join(path: str, key: str) -> str:

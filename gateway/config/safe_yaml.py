@@ -33,6 +33,15 @@ class SafeLoader(yaml.SafeLoader):
             )
         return node
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:
+            # Python refuses to read an int of more than 4,300 digits (CVE-2020-10735).
+            raise yaml.constructor.ConstructorError(
+                None, None, "an integer with more digits than any config value can hold", node.start_mark
+            ) from None
+
     def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
         if isinstance(node, yaml.MappingNode):
             seen: set[Any] = set()
@@ -50,6 +59,9 @@ class SafeLoader(yaml.SafeLoader):
                         "while constructing a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark
                     )
         return super().construct_mapping(node, deep=deep)
+
+
+SafeLoader.add_constructor("tag:yaml.org,2002:int", SafeLoader.construct_yaml_int)
 
 
 def _children(node: yaml.Node) -> list[yaml.Node]:
