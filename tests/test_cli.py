@@ -207,6 +207,18 @@ def test_check_shows_the_forwarded_headers_setting_and_the_jwt_keys_never_the_se
     assert secret not in result.stdout
 
 
+def test_check_shows_an_upstream_urls_password_as_stars(tmp_path):
+    text = (
+        "routes:\n  - match: {path: /}\n    upstream: 'http://svc:${UP_PASS}@127.0.0.1:9000'\n"
+        "  - match: {path: /p}\n    upstream: {targets: ['http://svc:${UP_PASS}@127.0.0.1:9001']}\n"
+    )
+    result = run_cli("check", "-c", write(tmp_path, text), env={"UP_PASS": "s3cr3t"})
+    assert result.returncode == 0, result.stderr
+    assert "s3cr3t" not in result.stdout + result.stderr
+    assert "http://svc:***@127.0.0.1:9000" in result.stdout
+    assert "round_robin over http://svc:***@127.0.0.1:9001" in result.stdout
+
+
 def test_check_interpolates_from_the_environment(tmp_path):
     path = write(tmp_path, gateway_yaml("http://127.0.0.1:9000", listen="${GW_LISTEN:-0.0.0.0:8080}"))
     result = run_cli("check", "-c", path, env={"GW_LISTEN": "127.0.0.1:8181"})

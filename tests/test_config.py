@@ -573,6 +573,20 @@ def test_invalid_config_is_one_line_naming_file_path_and_expectation(text, expec
     assert expected in message
 
 
+@pytest.mark.parametrize(
+    ("upstream", "expected"),
+    [
+        ("http://svc:${UP_PASS}@127.0.0.1:x", "routes[0].upstream: bad port in 'http://svc:***@127.0.0.1:x'"),
+        ("http://svc:${UP_PASS}@127.0.0.1:1/?q", "got 'http://svc:***@127.0.0.1:1/?q'"),
+        ("http://svc:${UP_PASS}@[::1:9000", "routes[0].upstream: not a URL (Invalid IPv6 URL): 'http://svc:***@[::1:9000'"),
+    ],
+)
+def test_an_upstream_url_error_shows_its_password_as_stars(upstream, expected):
+    message = error_of(f"routes:\n  - match: {{path: /}}\n    upstream: '{upstream}'\n", {"UP_PASS": "s3cr3t"})
+    assert expected in message
+    assert "s3cr3t" not in message
+
+
 # --- YAML aliases ----------------------------------------------------------------------
 
 

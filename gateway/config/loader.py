@@ -69,6 +69,7 @@ from gateway.config.units import (
     parse_rate,
     parse_size,
     parse_time_of_day,
+    redacted_url,
     split_hosts,
 )
 
@@ -181,23 +182,6 @@ _NOT_IN_ROUTE_PATH = re.compile(r"[%;?#\\\x00-\x1f\x7f]")
 # A header value as a route sets it: visible ASCII, spaces and tabs inside (RFC 9110 §5.5),
 # so no value can end a header line early.
 _HEADER_VALUE_RE = re.compile(r"[!-~](?:[ \t!-~]*[!-~])?|")
-
-
-def redacted_url(url: str) -> str:
-    """`url` with its userinfo's secret replaced by `***`, for error messages and logs.
-
-    The userinfo is everything between `://` and the last `@`, as a person wrote it: a
-    password holding an unencoded `#`, `/` or `?` ends urlsplit's netloc early, so
-    urlsplit would show the password's tail as a path or fragment. Before a `:`, the user
-    name stays; with no `:` the whole userinfo goes, since `redis://password@host` puts a
-    password where the user name goes. An `@` in the path or query is redacted too: it is
-    rare, and showing too little is the safe side."""
-    scheme, sep, rest = url.partition("://")
-    at = rest.rfind("@")
-    if not sep or at < 0:
-        return url if "@" not in url else "***" + url[url.rfind("@"):]
-    user, colon, _ = rest[:at].partition(":")
-    return f"{scheme}://{user + ':***' if colon else '***'}@{rest[at + 1:]}"
 
 
 class ConfigError(Exception):
@@ -1082,13 +1066,14 @@ def _split_url(url: str, path: str, r: _Reader, *, shown: str | None = None) -> 
 def _upstream_url(value: Any, path: str, r: _Reader) -> str:
     """An upstream base URL, without its trailing slash."""
     url = r.string(value, path)
-    parts = _split_url(url, path, r)
+    shown = redacted_url(url)  # every message below shows this, never the password
+    parts = _split_url(url, path, r, shown=shown)
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-        r.fail(path, f"expected an http:// or https:// URL with a host and no query, got {url!r}")
+        r.fail(path, f"expected an http:// or https:// URL with a host and no query, got {shown!r}")
     try:
         _ = parts.port  # raises ValueError on a bad port
     except ValueError:
-        r.fail(path, f"bad port in {url!r}")
+        r.fail(path, f"bad port in {shown!r}")
     return url.rstrip("/")
 
 
