@@ -149,6 +149,7 @@ def _fail(message: str) -> int:
 def describe(config: GatewayConfig) -> str:
     """What `gateway check` prints: the routes and limits as the gateway understood them."""
     from gateway.config.model import ResponseStyle
+    from gateway.config.units import redacted_url
     from gateway.proxy.routing import shadowed
 
     store = "in-process (one process only)"
@@ -228,7 +229,7 @@ def describe(config: GatewayConfig) -> str:
         options.append(f"timeout connect {route.timeout.connect:g}s read {route.timeout.read:g}s")
         if route.timeout.total is not None:
             options.append(f"total {route.timeout.total:g}s")
-        lines.append(f"  [{i}] {route.label} -> {route.upstream}: {limits}; {', '.join(options)}")
+        lines.append(f"  [{i}] {route.label} -> {redacted_url(route.upstream) if isinstance(route.upstream, str) else route.upstream}: {limits}; {', '.join(options)}")
     for later, earlier in shadowed(config.routes):
         lines.append(
             f"warning: routes[{later}] ({config.routes[later].label}) is never reached: routes[{earlier}] "

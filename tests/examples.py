@@ -40,3 +40,18 @@ routes:
     upstream: {upstream}
     limits: [{name}]
 """
+
+
+def alias_bomb(levels: int) -> str:
+    """A "billion laughs" config: each level is a list of nine aliases of the one before,
+    so the file is a few hundred bytes and `routes` expands to 9**levels strings."""
+    lines = ['a: &a ["x","x","x","x","x","x","x","x","x"]']
+    names = "abcdefghijk"[: levels]
+    for previous, name in zip(names, names[1:]):
+        lines.append(f"{name}: &{name} [{','.join([f'*{previous}'] * 9)}]")
+    return "\n".join(lines) + f"\nroutes: [*{names[-1]}]\n"
+
+
+# 267 and 302 bytes. A loader that expands aliases while walking the tree takes seconds and
+# hundreds of MB on the first (9**7 values), minutes on the second, before any key is checked.
+ALIAS_BOMBS = {"seven levels": alias_bomb(7), "eight levels": alias_bomb(8)}

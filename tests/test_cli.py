@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from gateway import __version__
-from tests.examples import ISSUE_EXAMPLE
+from tests.examples import ALIAS_BOMBS, ISSUE_EXAMPLE
 from tests.processes import GatewayProcess, eventually, free_port, run_cli, wait_until
 
 VENV_GATEWAY = Path(sys.executable).parent / "gateway"
@@ -207,6 +207,18 @@ def test_check_shows_the_forwarded_headers_setting_and_the_jwt_keys_never_the_se
     assert secret not in result.stdout
 
 
+def test_check_shows_an_upstream_urls_password_as_stars(tmp_path):
+    text = (
+        "routes:\n  - match: {path: /}\n    upstream: 'http://svc:${UP_PASS}@127.0.0.1:9000'\n"
+        "  - match: {path: /p}\n    upstream: {targets: ['http://svc:${UP_PASS}@127.0.0.1:9001']}\n"
+    )
+    result = run_cli("check", "-c", write(tmp_path, text), env={"UP_PASS": "s3cr3t"})
+    assert result.returncode == 0, result.stderr
+    assert "s3cr3t" not in result.stdout + result.stderr
+    assert "http://svc:***@127.0.0.1:9000" in result.stdout
+    assert "round_robin over http://svc:***@127.0.0.1:9001" in result.stdout
+
+
 def test_check_interpolates_from_the_environment(tmp_path):
     path = write(tmp_path, gateway_yaml("http://127.0.0.1:9000", listen="${GW_LISTEN:-0.0.0.0:8080}"))
     result = run_cli("check", "-c", path, env={"GW_LISTEN": "127.0.0.1:8181"})
@@ -255,6 +267,15 @@ CLI_ERRORS = {
         "check", "store: {url: '${GATEWAY_TEST_UNSET_VAR}'}\nroutes: [{match: {path: /}, upstream: 'http://h:1'}]\n",
         "store.url: environment variable GATEWAY_TEST_UNSET_VAR is not set",
     ),
+    "a rate whose period reads as inf": (
+        "run", "limits:\n  a: {rate: 1/" + "9" * 400 + "s, burst: 1}\nroutes: [{match: {path: /}, upstream: 'http://h:1', limits: [a]}]\n",
+        "limits.a.rate: expected a rate whose period is from 0.001ms to 365d"),
+    "a denormal rate": (
+        "run", "limits:\n  a: {rate: 0." + "0" * 315 + "1/second, burst: 1}\nroutes: [{match: {path: /}, upstream: 'http://h:1', limits: [a]}]\n",
+        "limits.a.rate: expected a rate of at least 1/year"),
+    "a 400-digit duration": (
+        "check", "shutdown_grace: 1" + "0" * 400 + "s\nroutes: [{match: {path: /}, upstream: 'http://h:1'}]\n",
+        "shutdown_grace: expected a duration from 0.001ms to 365d"),
     "bad listen address": ("run", "listen: localhost\nroutes: [{match: {path: /}, upstream: 'http://h:1'}]\n", "listen: expected HOST:PORT"),
 }
 
@@ -264,6 +285,12 @@ def test_invalid_config_exits_2_with_one_line_naming_file_and_path(tmp_path, com
     path = write(tmp_path, text)
     line = assert_one_line_error(run_cli(command, "-c", path), expected)
     assert line.startswith(f"gateway: {path}: ")
+
+
+@pytest.mark.parametrize("command", ["check", "run"])
+@pytest.mark.parametrize("text", ALIAS_BOMBS.values(), ids=ALIAS_BOMBS.keys())
+def test_an_alias_bomb_exits_2_with_one_line(tmp_path, command, text):
+    assert_one_line_error(run_cli(command, "-c", write(tmp_path, text)), "aliases expand the document by more than")
 
 
 @pytest.mark.parametrize("command", ["check", "run"])

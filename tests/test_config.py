@@ -11,7 +11,7 @@ from gateway.config.model import FailurePolicy, IdentitySource, PathForm, ValueM
 from gateway.config.regex import Regex
 from gateway.limiter.redis_cluster import parse_cluster_url
 from gateway.limiter.redis_sentinel import parse_sentinel_url
-from tests.examples import ISSUE_EXAMPLE
+from tests.examples import ALIAS_BOMBS, ISSUE_EXAMPLE
 
 SOURCE = "gw.yaml"
 REPO = Path(__file__).resolve().parent.parent
@@ -386,6 +386,26 @@ ERROR_CASES = {
         "limits:\n  a: {rate: 100000000000000000000/second}\n" + ROUTE, "limits.a.rate: a burst of 1e+20 is more than the"),
     "quota past exact counting": (
         "limits:\n  a: {quota: {limit: 10000000000000000, per: day}}\n" + ROUTE, "limits.a.quota.limit: expected an integer <="),
+    "a 400-digit duration": ("shutdown_grace: 1" + "0" * 400 + "s\n" + ROUTE, "shutdown_grace: expected a duration from"),
+    "a lease_ttl that reads as inf": (
+        "store: {url: 'redis://h/0'}\nlimits:\n  c: {concurrency: 2, lease_ttl: 1" + "0" * 400 + "s}\n" + ROUTE,
+        "limits.c.lease_ttl: expected a duration from 0.001ms to 365d"),
+    "a rate whose period reads as inf": (
+        "limits:\n  a: {rate: 1/" + "9" * 400 + "s, burst: 1}\n" + ROUTE, "limits.a.rate: expected a rate whose period is"),
+    "a denormal rate": (
+        "limits:\n  a: {rate: 0." + "0" * 315 + "1/second, burst: 1}\n" + ROUTE, "limits.a.rate: expected a rate of at least 1/year"),
+    "a rate count that reads as inf": (
+        "limits:\n  a: {rate: 1" + "0" * 400 + "/second}\n" + ROUTE, "limits.a.rate: expected a rate with a count of at most"),
+    "an integer past any range": (
+        "upstream_connections: 1" + "0" * 400 + "\n" + ROUTE,
+        "upstream_connections: expected an integer <= 1,000,000,000,000,000, got a number past 10**40"),
+    "an integer Python will not read": ("max_in_flight: " + "9" * 5000 + "\n" + ROUTE, "line 1, column 16: an integer with more digits"),
+    "an integer past any range from the environment": (
+        "max_delayed: ${BIG}\n" + ROUTE, "max_delayed: expected an integer <= 1,000,000,000,000,000, got 10,000,000,000,000,000"),
+    "workers past any machine": ("workers: 5000\nstore: {url: 'redis://h/0'}\n" + ROUTE, "workers: expected an integer <= 1,024"),
+    "a size past a tebibyte": (
+        "routes:\n  - match: {path: /}\n    upstream: http://h:1\n    max_body_size: 2048GiB\n",
+        "routes[0].max_body_size: expected a size of at most 1024GiB"),
     "burst wrong type": ("limits:\n  a: {rate: 1/second, burst: lots}\n" + ROUTE, "limits.a.burst: expected an integer"),
     "routes wrong type": ("routes: {path: /}\n", "routes: expected a list, got a mapping"),
     "limits wrong type": ("limits: [a]\n" + ROUTE, "limits: expected a mapping, got a list"),
@@ -567,7 +587,7 @@ ERROR_CASES = {
 
 @pytest.mark.parametrize(("text", "expected"), ERROR_CASES.values(), ids=ERROR_CASES.keys())
 def test_invalid_config_is_one_line_naming_file_path_and_expectation(text, expected):
-    message = error_of(text)
+    message = error_of(text, {"BIG": "10000000000000000"})
     assert expected in message
 
 
@@ -577,6 +597,42 @@ def test_paths_that_only_look_like_another_gateways_patterns_load():
     for path in ("/v1/things:batchGet", "/a/{b", "/price$/list", "/a/b*c", "/files/a.tar"):
         config = parse_config(f"routes:\n  - match: {{path: '{path}'}}\n    upstream: http://h:1\n", source="<test>", environ={})
         assert config.routes[0].match.path == path
+
+
+@pytest.mark.parametrize(
+    ("upstream", "expected"),
+    [
+        ("http://svc:${UP_PASS}@127.0.0.1:x", "routes[0].upstream: bad port in 'http://svc:***@127.0.0.1:x'"),
+        ("http://svc:${UP_PASS}@127.0.0.1:1/?q", "got 'http://svc:***@127.0.0.1:1/?q'"),
+        ("http://svc:${UP_PASS}@[::1:9000", "routes[0].upstream: not a URL (Invalid IPv6 URL): 'http://svc:***@[::1:9000'"),
+    ],
+)
+def test_an_upstream_url_error_shows_its_password_as_stars(upstream, expected):
+    message = error_of(f"routes:\n  - match: {{path: /}}\n    upstream: '{upstream}'\n", {"UP_PASS": "s3cr3t"})
+    assert expected in message
+    assert "s3cr3t" not in message
+
+
+# --- YAML aliases ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ALIAS_BOMBS.values(), ids=ALIAS_BOMBS.keys())
+def test_an_alias_bomb_is_refused_before_its_aliases_are_expanded(text):
+    assert "aliases expand the document by more than 100,000 values" in error_of(text)
+
+
+def test_an_alias_inside_its_own_anchor_is_refused():
+    assert "an alias is used inside the anchor it names" in error_of("routes: &r [*r]\n")
+
+
+def test_aliases_that_share_a_block_among_many_routes_are_read():
+    """Sharing is what aliases are for: a thousand routes merging one route's settings add
+    ~12,000 values, well inside the bound."""
+    first = "  - &first {match: {path: /r0}, upstream: http://127.0.0.1:9000, timeout: {connect: 1s, read: 2s}}\n"
+    rest = "".join(f"  - {{<<: *first, match: {{path: /r{i}}}}}\n" for i in range(1, 1000))
+    config = parse("routes:\n" + first + rest)
+    assert len(config.routes) == 1000
+    assert {route.timeout.read for route in config.routes} == {2.0}
 
 
 # --- reading the file ----------------------------------------------------------------

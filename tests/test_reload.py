@@ -16,6 +16,7 @@ import aiohttp
 from gateway.config import load_config
 from gateway.proxy.upstream_client import UpstreamClient
 from gateway.testing import running_gateway
+from tests.examples import ALIAS_BOMBS
 from tests.processes import GatewayProcess, RedisServer, eventually, free_port
 from tests.test_cli import DEADLINE, metric
 from tests.upstream import running_upstream
@@ -107,6 +108,33 @@ async def test_a_bad_config_on_sighup_keeps_the_old_one_logs_one_line_and_counts
             assert await status(client, gw.url + "/echo") == 429
             assert await metric(client, gw.admin_url, "gateway_config_reload_failures_total") == 1
             assert await metric(client, gw.admin_url, "gateway_config_last_reload_success_timestamp") == 0
+
+
+async def test_an_alias_bomb_on_sighup_is_refused_in_one_line_and_the_old_config_serves_on(upstream):
+    with GatewayProcess(limited_yaml(upstream, burst=2)) as gw:
+        async with aiohttp.ClientSession() as client:
+            assert await status(client, gw.url + "/echo") == 200
+            await reload_with(gw, ALIAS_BOMBS["eight levels"], "config reload failed")
+            assert any("aliases expand the document by more than" in line for line in gw.stderr_lines)
+            assert not any("Traceback" in line for line in gw.stderr_lines)
+            assert await status(client, gw.url + "/echo") == 200
+            assert await status(client, gw.url + "/echo") == 429
+            assert await metric(client, gw.admin_url, "gateway_config_reload_failures_total") == 1
+
+
+async def test_a_rate_outside_its_range_on_sighup_is_refused_in_one_line_and_counted(upstream):
+    """A rate whose period reads as inf once made every plan's refill time a ZeroDivisionError:
+    the reload logged a traceback and counted no failure."""
+    with GatewayProcess(limited_yaml(upstream, burst=2)) as gw:
+        async with aiohttp.ClientSession() as client:
+            assert await status(client, gw.url + "/echo") == 200
+            bad = limited_yaml(upstream, burst=2).replace("rate: 1/hour", "rate: 1/" + "9" * 400 + "s")
+            await reload_with(gw, bad, "config reload failed")
+            assert any("per_ip.rate: expected a rate whose period is" in line for line in gw.stderr_lines)
+            assert not any("Traceback" in line for line in gw.stderr_lines)
+            assert await status(client, gw.url + "/echo") == 200
+            assert await status(client, gw.url + "/echo") == 429
+            assert await metric(client, gw.admin_url, "gateway_config_reload_failures_total") == 1
 
 
 async def test_an_unchanged_limit_keeps_its_bucket_across_a_reload(upstream):

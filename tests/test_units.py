@@ -8,7 +8,13 @@ from gateway.config.units import (
     parse_address,
     parse_duration,
     parse_rate,
+    parse_size,
 )
+
+# Numbers that leave what a float holds: 400 digits read as inf, and 0.(315 zeros)1 as a denormal.
+HUGE = "1" + "0" * 400
+NINES = "9" * 400
+DENORMAL = "0." + "0" * 315 + "1"
 
 
 @pytest.mark.parametrize(
@@ -103,3 +109,47 @@ def test_parse_address_reads_host_and_port(text, host, port, shown):
 def test_parse_address_rejects_anything_else(value):
     with pytest.raises(ValueError, match="HOST:PORT|port must be"):
         parse_address(value)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (HUGE + "s", "expected a duration from 0.001ms to 365d, got '1000000"),
+        ("366d", "from 0.001ms to 365d, got '366d'"),
+        ("0.0001ms", "from 0.001ms to 365d"),
+        (DENORMAL + "s", "from 0.001ms to 365d"),
+    ],
+)
+def test_a_duration_outside_its_finite_range_is_refused(value, expected):
+    with pytest.raises(ValueError) as info:
+        parse_duration(value)
+    assert expected in str(info.value)
+    assert len(str(info.value)) < 120, "a 400-digit value is cut, not repeated whole"
+
+
+def test_the_ends_of_the_duration_range_are_accepted():
+    assert (parse_duration("0.001ms"), parse_duration("365d")) == (pytest.approx(0.000001), 365 * 86400.0)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (f"1/{NINES}s", "expected a rate whose period is from 0.001ms to 365d"),
+        (f"{DENORMAL}/second", "expected a rate of at least 1/year"),
+        ("1/400d", "expected a rate whose period is from 0.001ms to 365d"),
+        ("0.5/year", "expected a rate of at least 1/year"),
+        (f"{HUGE}/second", "expected a rate with a count of at most 1e300"),
+    ],
+)
+def test_a_rate_outside_its_finite_range_is_refused(value, expected):
+    with pytest.raises(ValueError) as info:
+        parse_rate(value)
+    assert expected in str(info.value)
+
+
+def test_a_size_past_a_tebibyte_is_refused():
+    assert parse_size("1024GiB") == 1024**4
+    with pytest.raises(ValueError, match="expected a size of at most 1024GiB"):
+        parse_size("1025GiB")
+    with pytest.raises(ValueError, match="expected a size of at most 1024GiB"):
+        parse_size(HUGE)

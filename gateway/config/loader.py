@@ -19,7 +19,7 @@ from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 import yaml
 
-from gateway.config import jwt_keys, tls
+from gateway.config import jwt_keys, safe_yaml, tls
 from gateway.config.body_template import parse_body_template, parse_content_type
 from gateway.config.regex import Regex
 from gateway.config.model import (
@@ -69,6 +69,7 @@ from gateway.config.units import (
     parse_rate,
     parse_size,
     parse_time_of_day,
+    redacted_url,
     split_hosts,
 )
 
@@ -85,6 +86,8 @@ DEFAULT_ADMIN_LISTEN = "127.0.0.1:9090"
 # Long enough for ordinary API calls to finish, short enough for an orchestrator's
 # default 30 s termination grace period.
 DEFAULT_SHUTDOWN_GRACE = "20s"
+# Processes, each a full gateway: far past the cores of any one machine.
+MAX_WORKERS = 1024
 DEFAULT_MAX_IN_FLIGHT = 1024  # per process; wrk: req/s flat from 100 to 2000 in flight, falling by 4000, so ~0.5 s of queue
 DEFAULT_CONNECT_TIMEOUT = "5s"
 DEFAULT_READ_TIMEOUT = "60s"
@@ -181,23 +184,6 @@ _NOT_IN_ROUTE_PATH = re.compile(r"[%;?#\\\x00-\x1f\x7f]")
 _HEADER_VALUE_RE = re.compile(r"[!-~](?:[ \t!-~]*[!-~])?|")
 
 
-def redacted_url(url: str) -> str:
-    """`url` with its userinfo's secret replaced by `***`, for error messages and logs.
-
-    The userinfo is everything between `://` and the last `@`, as a person wrote it: a
-    password holding an unencoded `#`, `/` or `?` ends urlsplit's netloc early, so
-    urlsplit would show the password's tail as a path or fragment. Before a `:`, the user
-    name stays; with no `:` the whole userinfo goes, since `redis://password@host` puts a
-    password where the user name goes. An `@` in the path or query is redacted too: it is
-    rare, and showing too little is the safe side."""
-    scheme, sep, rest = url.partition("://")
-    at = rest.rfind("@")
-    if not sep or at < 0:
-        return url if "@" not in url else "***" + url[url.rfind("@"):]
-    user, colon, _ = rest[:at].partition(":")
-    return f"{scheme}://{user + ':***' if colon else '***'}@{rest[at + 1:]}"
-
-
 class ConfigError(Exception):
     """An invalid config file; str() is the one line shown to the user. Characters that are
     not printable (a key holding a newline, a value with a control character) are escaped
@@ -207,30 +193,6 @@ class ConfigError(Exception):
         if not message.isprintable():
             message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
         super().__init__(message)
-
-
-class _SafeLoaderRejectingDuplicates(yaml.SafeLoader):
-    """yaml.safe_load's loader, except that a key given twice in one mapping is an
-    error: plain YAML keeps the last one silently, so a second `per_client` under
-    `limits` would replace the first without a word."""
-
-    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
-        if isinstance(node, yaml.MappingNode):
-            seen: set[Any] = set()
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue  # `<<: *anchor` may be overridden by the keys beside it
-                key = self.construct_object(key_node, deep=deep)
-                try:
-                    duplicate = key in seen
-                    seen.add(key)
-                except TypeError:
-                    continue  # unhashable: the base class reports it
-                if duplicate:
-                    raise yaml.constructor.ConstructorError(
-                        "while constructing a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark
-                    )
-        return super().construct_mapping(node, deep=deep)
 
 
 class _Reader:
@@ -267,13 +229,14 @@ class _Reader:
             self.fail(path, f"expected true or false, got {_type_name(value)}")
         return value
 
-    def integer(self, value: Any, path: str, *, minimum: int, maximum: int | None = None) -> int:
+    def integer(self, value: Any, path: str, *, minimum: int, maximum: int = MAX_COUNT) -> int:
+        """A whole number in [minimum, maximum]: every number in the config has a finite range."""
         if isinstance(value, bool) or not isinstance(value, int):
             self.fail(path, f"expected an integer, got {_type_name(value)}")
         if value < minimum:
-            self.fail(path, f"expected an integer >= {minimum}, got {value}")
-        if maximum is not None and value > maximum:
-            self.fail(path, f"expected an integer <= {maximum:,}, got {value:,}")
+            self.fail(path, f"expected an integer >= {minimum}, got {_shown_integer(value)}")
+        if value > maximum:
+            self.fail(path, f"expected an integer <= {maximum:,}, got {_shown_integer(value)}")
         return value
 
     def count(self, value: Any, path: str) -> int:
@@ -307,8 +270,8 @@ def load_config(path: str) -> GatewayConfig:
 def parse_config(text: str, *, source: str, environ: Mapping[str, str]) -> GatewayConfig:
     reader = _Reader(source)
     try:
-        # safe_load, plus rejecting duplicate keys: plain data only, never Python objects.
-        document = yaml.load(text, Loader=_SafeLoaderRejectingDuplicates)
+        # Plain data only, never Python objects; aliases bounded before the tree is walked.
+        document = safe_yaml.load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -347,7 +310,7 @@ def _interpolate(value: Any, path: str, environ: Mapping[str, str], reader: _Rea
         # A value that is one whole ${VAR} takes the type its text has in YAML,
         # so `workers: ${WORKERS:-1}` is an integer, not the string "1".
         try:
-            scalar = yaml.safe_load(result) if result else result
+            scalar = safe_yaml.load(result) if result else result
         except yaml.YAMLError:
             return result
         if isinstance(scalar, (int, float, bool)) or scalar is None:
@@ -384,7 +347,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
     )
     listen, listen_tls = _listen(top.get("listen", DEFAULT_LISTEN), r)
     admin_listen = r.parsed(parse_address, top.get("admin_listen", DEFAULT_ADMIN_LISTEN), "admin_listen")
-    workers = r.integer(top.get("workers", 1), "workers", minimum=1)
+    workers = r.integer(top.get("workers", 1), "workers", minimum=1, maximum=MAX_WORKERS)
     max_in_flight = r.integer(top.get("max_in_flight", DEFAULT_MAX_IN_FLIGHT), "max_in_flight", minimum=1)
     store = _store(top["store"], r) if top.get("store") is not None else None
     if workers > 1 and store is None:
@@ -984,7 +947,7 @@ def _tier_members(file: str, path: str, limits: Mapping[str, Limit], r: _Reader)
     except UnicodeDecodeError:
         r.fail(path, f"cannot read {file!r}: not UTF-8 text")
     try:
-        document = yaml.load(text, Loader=_SafeLoaderRejectingDuplicates)
+        document = safe_yaml.load(text)
     except yaml.YAMLError as exc:
         r.fail(path, f"{file}: malformed YAML: {getattr(exc, 'problem', None) or str(exc).splitlines()[0]}")
     inner = _Reader(f"{r.source}: {path}: {file}")
@@ -1115,13 +1078,14 @@ def _split_url(url: str, path: str, r: _Reader, *, shown: str | None = None) -> 
 def _upstream_url(value: Any, path: str, r: _Reader) -> str:
     """An upstream base URL, without its trailing slash."""
     url = r.string(value, path)
-    parts = _split_url(url, path, r)
+    shown = redacted_url(url)  # every message below shows this, never the password
+    parts = _split_url(url, path, r, shown=shown)
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-        r.fail(path, f"expected an http:// or https:// URL with a host and no query, got {url!r}")
+        r.fail(path, f"expected an http:// or https:// URL with a host and no query, got {shown!r}")
     try:
         _ = parts.port  # raises ValueError on a bad port
     except ValueError:
-        r.fail(path, f"bad port in {url!r}")
+        r.fail(path, f"bad port in {shown!r}")
     return url.rstrip("/")
 
 
@@ -1433,6 +1397,12 @@ def _route_limit(
                 f"cost {cost} is greater than the burst {tier.burst:g} of tier {tier.name!r}; its clients could never pass",
             )
     return RouteLimit(limit=limit, cost=cost)
+
+
+def _shown_integer(value: int) -> str:
+    """`value` for an error line, its digits grouped; past 40 digits not its digits, so the
+    line stays readable (and int-to-str's 4300-digit limit is never reached)."""
+    return f"{value:,}" if abs(value) < 10**40 else f"{'-' if value < 0 else ''}a number past 10**40"
 
 
 def _join(path: str, key: str) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 from gateway.config.body_template import BodyTemplate
 from gateway.config.regex import Regex
-from gateway.config.units import Address, Rate
+from gateway.config.units import Address, Rate, redacted_url
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -333,7 +333,7 @@ class UpstreamPool:
 
     def __str__(self) -> str:
         """As `gateway check` shows it."""
-        targets = ", ".join(t.url + (f" (weight {t.weight})" if t.weight != 1 else "") for t in self.targets)
+        targets = ", ".join(redacted_url(t.url) + (f" (weight {t.weight})" if t.weight != 1 else "") for t in self.targets)
         parts = [f"{self.balance.value} over {targets}", f"retries {self.retries}"]
         if self.health is not None:
             parts.append(f"health {self.health.path} every {self.health.interval:g}s")

@@ -8,6 +8,7 @@ file name and YAML path.
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from dataclasses import dataclass
 
@@ -25,6 +26,16 @@ _SIZE_RE = re.compile(r"^\s*(\d+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$", re.ASCII)
 _UNIT_BYTES = {None: 1, "B": 1, "KB": 1000, "KiB": 1024, "MB": 1000**2, "MiB": 1024**2, "GB": 1000**3, "GiB": 1024**3}
 _TIME_OF_DAY_RE = re.compile(r"^\s*([01]\d|2[0-3]):([0-5]\d)(?:\s+UTC)?\s*$", re.ASCII)
 _RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(\S+)\s*$", re.ASCII)
+# Every number the config holds has a finite range, so no 400-digit value becomes inf (or
+# 0) in float arithmetic. A microsecond is below any timer the event loop keeps; a year is
+# the longest rate period there is a word for, and longer waits are what quotas are for.
+MIN_DURATION = 0.000001
+MAX_DURATION = 365 * 86400.0
+# The slowest refill is one token a year: slower, a bucket's refill time and its
+# RateLimit-Policy window leave what a float or a header can say.
+MIN_RATE_PER_SECOND = 1 / MAX_DURATION
+# 1 TiB: past what any header, body or buffer cap could mean, and exact in a float.
+MAX_SIZE = 1024**4
 
 
 @dataclass(frozen=True)
@@ -59,7 +70,14 @@ def parse_duration(value: object) -> float:
     seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
     if seconds <= 0:
         raise ValueError(f"expected a duration greater than zero, got {value!r}")
+    if not MIN_DURATION <= seconds <= MAX_DURATION:
+        raise ValueError(f"expected a duration from 0.001ms to 365d, got {_shown(value)}")
     return seconds
+
+
+def _shown(value: str) -> str:
+    """`value` for an error line: a 400-digit number is cut, so the line stays readable."""
+    return repr(value) if len(value) <= 40 else repr(value[:30] + "...") + f" ({len(value)} characters)"
 
 
 def parse_size(value: object) -> int:
@@ -73,6 +91,8 @@ def parse_size(value: object) -> int:
     size = int(match.group(1)) * _UNIT_BYTES[match.group(2)]
     if size <= 0:
         raise ValueError(f"expected a size greater than zero, got {value!r}")
+    if size > MAX_SIZE:
+        raise ValueError(f"expected a size of at most 1024GiB, got {_shown(str(value))}")
     return size
 
 
@@ -86,6 +106,8 @@ def parse_rate(value: object) -> Rate:
     if not match:
         raise ValueError(f"{expected}, got {value!r}")
     tokens = float(match.group(1))
+    if not math.isfinite(tokens):
+        raise ValueError(f"expected a rate with a count of at most 1e300, got {_shown(value)}")
     period = match.group(2)
     if period in _PERIOD_WORDS:
         seconds = _PERIOD_WORDS[period]
@@ -93,9 +115,13 @@ def parse_rate(value: object) -> Rate:
         try:
             seconds = parse_duration(period)
         except ValueError:
+            if _DURATION_RE.match(period):
+                raise ValueError(f"expected a rate whose period is from 0.001ms to 365d, got {_shown(value)}") from None
             raise ValueError(f"{expected}, got {value!r}") from None
     if tokens <= 0:
-        raise ValueError(f"expected a rate greater than zero, got {value!r}")
+        raise ValueError(f"expected a rate greater than zero, got {_shown(value)}")
+    if not tokens / seconds >= MIN_RATE_PER_SECOND:  # also false for inf / inf
+        raise ValueError(f"expected a rate of at least 1/year, got {_shown(value)}")
     return Rate(tokens=tokens, period_seconds=seconds, text=value.strip())
 
 
@@ -153,3 +179,20 @@ def _host_port(item: str, default_port: int) -> tuple[str, int]:
     if not 0 < number < 65536:
         raise ValueError(f"bad port in {item!r}")
     return host, number
+
+
+def redacted_url(url: str) -> str:
+    """`url` with its userinfo's secret replaced by `***`, for error messages and logs.
+
+    The userinfo is everything between `://` and the last `@`, as a person wrote it: a
+    password holding an unencoded `#`, `/` or `?` ends urlsplit's netloc early, so
+    urlsplit would show the password's tail as a path or fragment. Before a `:`, the user
+    name stays; with no `:` the whole userinfo goes, since `redis://password@host` puts a
+    password where the user name goes. An `@` in the path or query is redacted too: it is
+    rare, and showing too little is the safe side."""
+    scheme, sep, rest = url.partition("://")
+    at = rest.rfind("@")
+    if not sep or at < 0:
+        return url if "@" not in url else "***" + url[url.rfind("@"):]
+    user, colon, _ = rest[:at].partition(":")
+    return f"{scheme}://{user + ':***' if colon else '***'}@{rest[at + 1:]}"
