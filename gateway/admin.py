@@ -58,6 +58,7 @@ from gateway.config.model import (
     ConcurrencyLimit,
     FailurePolicy,
     GatewayConfig,
+    HeaderRules,
     IdentitySource,
     JwtKey,
     Limit,
@@ -474,6 +475,7 @@ _SECRET_FIELDS = {
 
 
 _URL_FIELDS = {(StoreConfig, "url"), (Route, "upstream"), (Target, "url")}
+_HEADER_VALUE_FIELDS = {(HeaderRules, "set"), (HeaderRules, "add")}
 
 
 def _upstream_text(upstream: str | UpstreamPool) -> str:
@@ -495,6 +497,10 @@ def _plain(value: Any, owner: type | None = None, field: str = "") -> Any:
         return None if value is None else REDACTED
     if (owner, field) in _URL_FIELDS and isinstance(value, str):  # a pool's URLs are its targets'
         return redacted_url(value)  # an upstream's userinfo is a credential as much as Redis's
+    if (owner, field) in _HEADER_VALUE_FIELDS:
+        # A header a route writes often carries a credential (`Authorization: ${TOKEN}`):
+        # its name is shown, its value never.
+        return [[name, REDACTED] for name, _ in value]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, enum.Enum):

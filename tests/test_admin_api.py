@@ -225,7 +225,9 @@ async def test_top_limited_shows_raw_identities_when_the_config_opts_in(upstream
     assert top["clients"] == [{"limit": "per_key", "identity": "header:x-api-key=flooder", "denials": 3, "error": 0}]
 
 
-SECRETS = {"ADMIN_TOKEN": ADMIN_TOKEN, "JWT_SECRET": "jwt-secret-5c9e0a7b1d3f5e7a9c1b3d5f7a9c1e3b"}
+SECRETS = {
+    "ADMIN_TOKEN": ADMIN_TOKEN, "JWT_SECRET": "jwt-secret-5c9e0a7b1d3f5e7a9c1b3d5f7a9c1e3b", "HDR_SECRET": "hdr-secret-77c1",
+}
 
 
 def secret_config(upstream: str, store_url: str) -> str:
@@ -241,6 +243,7 @@ routes:
     limits: [per_sub]
   - match: {{path: /basic}}
     upstream: {upstream.replace("http://", "http://svc:upstream-pass-9a04@")}
+    request_headers: {{set: {{Authorization: "Bearer ${{HDR_SECRET}}"}}, add: {{X-Tag: "${{HDR_SECRET}}"}}}}
 """
 
 
@@ -250,7 +253,8 @@ async def test_the_effective_config_has_every_secret_redacted(upstream, client):
     async with running_gateway(config) as gw:
         shown = await call(client, "GET", gw.admin_url + "/config", expect=200, token=ADMIN_TOKEN)
     text = json.dumps(shown)
-    for secret in ("store-pass-61d0", "key-secret-88e1f2", SECRETS["JWT_SECRET"], ADMIN_TOKEN, "upstream-pass-9a04"):
+    for secret in ("store-pass-61d0", "key-secret-88e1f2", SECRETS["JWT_SECRET"], ADMIN_TOKEN, "upstream-pass-9a04",
+                   SECRETS["HDR_SECRET"]):
         assert secret not in text
     assert shown["store"]["url"] == f"redis://gw:***@127.0.0.1:{redis_server.port}/0"
     assert shown["store"]["key_secret"] == "***" and shown["admin_token"] == "***"
@@ -264,6 +268,9 @@ async def test_the_effective_config_has_every_secret_redacted(upstream, client):
     }
     assert shown["routes"][0]["match"]["path"] == "/api"
     assert shown["routes"][1]["upstream"] == upstream.replace("http://", "http://svc:***@")
+    # A header a route writes is named, its value never shown.
+    assert shown["routes"][1]["request_headers"]["set"] == [["Authorization", "***"]]
+    assert shown["routes"][1]["request_headers"]["add"] == [["X-Tag", "***"]]
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.processes import GatewayProcess
+from tests.processes import GatewayProcess, free_port
 from tests.raw_client import RAW_TIMEOUT
 from tests.upstream import serving
 
@@ -49,3 +49,21 @@ async def test_the_upstream_urls_credentials_replace_the_clients_authorization(a
             async with http.ws_connect(gw.url + "/ws", headers=headers) as ws:
                 assert await ws.receive_json(timeout=RAW_TIMEOUT) == [GATEWAYS_LOGIN]
     assert "Traceback" not in "".join(gw.stderr_lines)
+
+
+async def test_the_log_names_an_upstream_with_credentials_without_its_password():
+    """A request and a WebSocket handshake to an upstream nothing listens on: each 502 is
+    logged with the upstream's URL, its password as ***."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    with GatewayProcess(config(dead)) as gateway:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(gateway.url + "/a") as response:
+                assert response.status == 502
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await http.ws_connect(gateway.url.replace("http", "ws", 1) + "/ws")
+            assert refused.value.status == 502
+        gateway.stop()
+        logged = "".join(gateway.stderr_lines)
+    assert "cannot connect to upstream http://svc:***@127.0.0.1" in logged
+    assert "cannot open a WebSocket to upstream http://svc:***@127.0.0.1" in logged
+    assert "s3cr3t" not in logged

@@ -27,6 +27,7 @@ from aiohttp import hdrs
 from multidict import CIMultiDict
 
 from gateway.access_log import PROCESS_LOG_SECRET
+from gateway.config.units import redacted_url
 from gateway.config.model import (
     Balance,
     ConcurrencyLimit,
@@ -332,7 +333,7 @@ def _single_pool(url: str) -> PoolPlan:
     """A route's one upstream as a pool of one target, never ejected, counted in no target series."""
     state = TargetState(None, None)
     target = TargetPlan(
-        url=url, name=url, label=None, where=url, state=state,
+        url=url, name=url, label=None, where=redacted_url(url), state=state,
         requests=UNCOUNTED, latency=UNCOUNTED, errors=UNCOUNTED, ejections=UNCOUNTED,  # type: ignore[arg-type]
     )
     return PoolPlan(
