@@ -15,6 +15,7 @@ from gateway.config import ConfigError, load_config, tls
 from gateway.config.model import GatewayConfig
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.store import StoreError, refusal
+from gateway.limiter.memory_store import MemoryStore
 from gateway.limiter.store_factory import make_store
 from gateway.limiter.worker_resets import WorkerResets
 from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics, breaker_gauge_setter
@@ -42,6 +43,7 @@ RESTART_SETTINGS: tuple[tuple[str, Callable[[GatewayConfig], object]], ...] = (
     ("max_header_size", attrgetter("clients.max_header_size")),
     ("upstream_connections", attrgetter("upstream_connections")),
     ("access_log", attrgetter("access_log")),
+    ("local_store_memory", attrgetter("local_store_memory")),
 )
 
 
@@ -52,9 +54,11 @@ class Gateway:
         """`resets`: with several workers, the log of bucket resets they share (gateway.server)."""
         self.config = config
         self.metrics = Metrics(multiprocess=multiprocess_metrics)
-        self.store = make_store(config.store)
+        evicted = self.metrics.local_store_evictions.inc
+        self.store = make_store(config.store, local_memory=config.local_store_memory, on_evict=evicted)
         self.limiter = Limiter(
             self.store,
+            local_store=lambda: MemoryStore(max_bytes=config.local_store_memory, on_evict=evicted),
             local_divisor=config.local_divisor,
             shared_store=config.store is not None,
             on_breaker_change=breaker_gauge_setter(self.metrics.store_breaker),

@@ -324,6 +324,12 @@ class Metrics:
             "gateway_requests_shed", "Requests answered 503 at once because max_in_flight were already in flight.",
             **files,
         ))
+        self.local_store_evictions = add(counter(
+            "gateway_local_store_evictions",
+            "Buckets the in-process store evicted before they had refilled, to make room within local_store_memory: "
+            "each such client starts again from a full bucket.",
+            **files,
+        ))
         self.in_flight = add(gauge("gateway_requests_in_flight", "Requests being handled now.", **summed))
         self.store_breaker = add(Gauge(
             "gateway_store_breaker", "Worker processes whose store circuit breaker is in each state (closed, open, half_open).",

@@ -7,17 +7,19 @@ token without waiting.
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 import time
+import tracemalloc
 
 import pytest
 
-from gateway.config.model import FailurePolicy, IdentitySource, Limit, Quota
+from gateway.config.model import ConcurrencyLimit, FailurePolicy, IdentitySource, Limit, Quota
 from gateway.config.units import parse_rate
 from gateway.limiter import bucket
-from gateway.limiter.memory_store import MemoryStore
-from gateway.limiter.store import LimitCheck
+from gateway.limiter.memory_store import ENTRY_BYTES, MemoryStore, StoreFull
+from gateway.limiter.store import LeaseCheck, LimitCheck
 
 
 class ManualClock:
@@ -298,3 +300,109 @@ def test_a_shaping_bucket_in_process_queues_and_rejects_past_its_debt(store, clo
     clock.advance(0.1)
     assert not store.check_now([one(shaped)]).allowed
     assert store.check_now([LimitCheck(shaped, "ip=192.0.2.1", 1, max_delay=0.5)]).wait == pytest.approx(0.5)
+
+
+# The memory budget (nginx's limit_req zone rule): a fixed number of entries, refilled
+# buckets dropped first, then the least recently checked; 503 (StoreFull) only when what
+# is left cannot be evicted.
+
+def capped(clock: ManualClock, entries: int, evicted: list[int] | None = None) -> MemoryStore:
+    return MemoryStore(
+        clock=clock, max_bytes=entries * ENTRY_BYTES, on_evict=None if evicted is None else lambda: evicted.append(1)
+    )
+
+
+def test_a_flood_of_new_clients_stays_within_the_budget_in_bytes_as_measured(clock):
+    budget = 2 * 1024 * 1024
+    slow = limit("per_key", "1/hour", 10)
+    daily = quota_limit("daily", 1000, "day")
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        store = MemoryStore(clock=clock, max_bytes=budget)
+        peak = 0
+        # Four times what fits, each client with a bucket and a quota, with identities
+        # long enough that a raw copy of each would show.
+        for n in range(4 * budget // ENTRY_BYTES // 2):
+            identity = f"header:x-api-key={n:0120d}"
+            assert store.check_now([one(slow, identity), one(daily, identity)]).allowed
+            if n % 500 == 0:
+                clock.advance(0.001)
+                gc.collect()
+                peak = max(peak, tracemalloc.get_traced_memory()[0] - base)
+    finally:
+        tracemalloc.stop()
+    assert len(store._buckets) <= store.max_entries
+    assert peak <= budget, f"{peak / 2**20:.2f} MiB held for a budget of {budget / 2**20:.0f} MiB"
+
+
+def test_buckets_that_have_refilled_make_room_before_any_other_is_evicted(clock):
+    evicted: list[int] = []
+    store = capped(clock, 3, evicted)
+    slow, fast = limit("slow", "1/hour", 2), limit("fast", "10/second", 2)
+    store.check_now([one(slow, "ip=192.0.2.1")])  # the oldest: far from full
+    store.check_now([one(fast, "ip=192.0.2.2")])  # full again after 0.1 s
+    store.check_now([one(slow, "ip=192.0.2.3")])
+    clock.advance(1)
+    assert store.check_now([one(slow, "ip=192.0.2.4")]).allowed
+    assert evicted == []
+    # The oldest drained bucket was kept: its client is still one token short of full.
+    assert store.check_now([one(slow, "ip=192.0.2.1")]).remaining == (pytest.approx(0.0, abs=0.01),)
+
+
+def test_the_least_recently_checked_bucket_is_evicted_and_its_client_starts_again_full(clock):
+    evicted: list[int] = []
+    store = capped(clock, 2, evicted)
+    slow = limit("slow", "1/hour", 2)
+    for ip in ("192.0.2.1", "192.0.2.2"):
+        store.check_now([one(slow, f"ip={ip}")])
+    store.check_now([one(slow, "ip=192.0.2.1")])  # checked again: now .2 is the least recent
+    assert store.check_now([one(slow, "ip=192.0.2.1")]).allowed is False
+    assert store.check_now([one(slow, "ip=192.0.2.3")]).allowed
+    assert evicted == [1]
+    # .1 was denied just now, so it is recent, and still limited; .2 lost its bucket.
+    assert store.check_now([one(slow, "ip=192.0.2.1")]).allowed is False
+    assert store.check_now([one(slow, "ip=192.0.2.2")]).remaining == (1.0,)
+
+
+def test_a_denied_request_and_a_free_one_evict_nothing(clock):
+    evicted: list[int] = []
+    store = capped(clock, 1, evicted)
+    slow = limit("slow", "1/hour", 1)
+    store.check_now([one(slow, "ip=192.0.2.1")])
+    assert store.check_now([one(slow, "ip=192.0.2.1")]).allowed is False
+    assert store.check_now([one(slow, "ip=192.0.2.2", cost=0)]).allowed
+    assert evicted == [] and len(store) == 1
+
+
+def test_with_the_budget_held_by_live_leases_a_check_is_refused_whole_and_charges_nothing(clock):
+    store = capped(clock, 2)
+    conns = ConcurrencyLimit(name="conns", concurrency=5, lease_ttl=60.0, key=(), on_store_error=FailurePolicy.OPEN)
+    held = [LeaseCheck(limit=conns, identity=f"ip=192.0.2.{n}", lease=f"lease-{n}") for n in (1, 2)]
+    assert all(store.acquire_now(lease).admitted for lease in held)
+    slow = limit("slow", "1/hour", 5)
+    with pytest.raises(StoreFull):
+        store.check_now([one(slow, "ip=192.0.2.9")])
+    with pytest.raises(StoreFull):  # leases are requests in flight: never evicted for another
+        store.acquire_now(LeaseCheck(limit=conns, identity="ip=192.0.2.3", lease="lease-3"))
+    store.release_now(held[0])
+    assert store.check_now([one(slow, "ip=192.0.2.9")]).remaining == (4.0,)  # nothing was charged before
+
+
+def test_a_request_whose_limits_need_more_entries_than_the_budget_is_refused(clock):
+    store = capped(clock, 1)
+    a, b = limit("a", "1/hour", 5), limit("b", "1/hour", 5)
+    with pytest.raises(StoreFull):
+        store.check_now([one(a), one(b)])
+    assert len(store) == 0
+    assert store.check_now([one(a)]).remaining == (4.0,)
+
+
+def test_evicted_buckets_leave_no_expiry_entries_behind(clock):
+    store = capped(clock, 100, [])
+    slow = limit("slow", "1/day", 5)
+    for n in range(20_000):
+        store.check_now([one(slow, f"ip=10.0.{n // 256}.{n % 256}")])
+    assert len(store._buckets) == 100
+    assert len(store._expiry) <= 2 * 100 + 64

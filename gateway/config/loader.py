@@ -127,6 +127,7 @@ REJECTION_STATUSES = (429, 503)
 # counts toward max_in_flight; a quarter of the default leaves the rest to requests that
 # go straight through.
 DEFAULT_MAX_DELAYED = 256
+DEFAULT_LOCAL_STORE_MEMORY = "32MiB"
 # The longest `max_delay`: a wait past it is better told to the client as Retry-After
 # than held on an open connection.
 MAX_MAX_DELAY = 60.0
@@ -343,6 +344,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
             "admin_raw_identities", "admin_hosts",
             "client_header_timeout", "client_body_timeout", "keepalive_timeout", "keepalive_requests",
             "max_header_size", "upstream_connections", "access_log", "response", "max_delayed", "client_ip",
+            "local_store_memory",
         ),
     )
     listen, listen_tls = _listen(top.get("listen", DEFAULT_LISTEN), r)
@@ -442,6 +444,9 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         concurrency_limits=tuple(limit for limit in limits.values() if isinstance(limit, ConcurrencyLimit)),
         max_delayed=r.integer(top.get("max_delayed", DEFAULT_MAX_DELAYED), "max_delayed", minimum=1),
         client_ip=client_ip,
+        local_store_memory=r.parsed(
+            parse_size, top.get("local_store_memory", DEFAULT_LOCAL_STORE_MEMORY), "local_store_memory"
+        ),
     )
 
 

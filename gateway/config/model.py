@@ -431,6 +431,9 @@ class GatewayConfig:
     concurrency_limits: tuple[ConcurrencyLimit, ...] = ()
     max_delayed: int = 256  # requests one worker process holds waiting out a `mode: delay` wait; more are rejected
     client_ip: ClientIpStrategy = ClientIpStrategy()  # how a trusted proxy's header names the client
+    # Bytes each in-process store may hold per worker: the store without `store:`, and the
+    # stand-ins of `on_store_error: local`. Past it, the least recently checked bucket goes.
+    local_store_memory: int = 32 * 1024 * 1024
 
     @property
     def local_divisor(self) -> int:

@@ -36,7 +36,7 @@ from typing import Any
 
 from gateway.config.model import ConcurrencyLimit, FailurePolicy
 from gateway.limiter.circuit_breaker import CircuitBreaker
-from gateway.limiter.memory_store import MemoryStore
+from gateway.limiter.memory_store import MemoryStore, StoreFull
 from gateway.limiter.outcomes import (
     ALLOW,
     CONCURRENCY_LIMITED,
@@ -44,6 +44,7 @@ from gateway.limiter.outcomes import (
     FAIL_OPEN,
     FAILURE_OUTCOME,
     FAILURE_OUTCOMES,
+    NO_ROOM,
     SKIPPED,
 )
 from gateway.limiter.store import LeaseCheck, LeaseReading, Store, StoreError, StoreNotConnected
@@ -126,9 +127,10 @@ class Concurrency:
         local_divisor: int = 1,
         breaker: CircuitBreaker | None = None,
         on_release_failed: Callable[[], None] | None = None,
+        local_store: MemoryStore | None = None,
     ) -> None:
         self._store = store
-        self._local_store = MemoryStore()
+        self._local_store = local_store if local_store is not None else MemoryStore()
         self._local_divisor = local_divisor
         self._local_limits: dict[str, tuple[ConcurrencyLimit, ConcurrencyLimit]] = {}  # name -> (limit, its share)
         self._breaker = breaker
@@ -180,7 +182,7 @@ class Concurrency:
                 self,
                 admitted=False,
                 statuses=tuple(statuses),
-                store_failed=refused.outcome == FAIL_CLOSED,
+                store_failed=refused.outcome in (FAIL_CLOSED, NO_ROOM),
                 held=[],
             )
         return Admission(self, admitted=True, statuses=tuple(statuses), store_failed=False, held=held)
@@ -192,6 +194,9 @@ class Concurrency:
             return self._on_store_error(lease, "the store failed repeatedly; circuit breaker open")
         try:
             answer = await self._store.acquire(lease)
+        except StoreFull as exc:
+            self._log_failure(f"refusing requests with 503: {exc}")
+            return LeaseStatus(lease.limit, NO_ROOM), None
         except StoreNotConnected as exc:
             if breaker is not None:
                 breaker.not_sent(time.monotonic())
@@ -215,16 +220,24 @@ class Concurrency:
 
     def _on_store_error(self, lease: LeaseCheck, why: str) -> tuple[LeaseStatus, Store | None]:
         limit = lease.limit
-        now = time.monotonic()
-        if now - self._last_failure_log >= FAILURE_LOG_INTERVAL:
-            self._last_failure_log = now
-            log.warning("store failed, concurrency limit %s fails %s: %s", limit.name, limit.on_store_error.value, why)
+        self._log_failure(f"store failed, concurrency limit {limit.name} fails {limit.on_store_error.value}: {why}")
         outcome = FAILURE_OUTCOME[limit.on_store_error]
         if limit.on_store_error is not FailurePolicy.LOCAL:
             return LeaseStatus(limit, outcome), None
         local = dataclasses.replace(lease, limit=self._local_limit(limit))
-        answer = self._local_store.acquire_now(local)
+        try:
+            answer = self._local_store.acquire_now(local)
+        except StoreFull as exc:
+            self._log_failure(f"refusing requests with 503: {exc}")
+            return LeaseStatus(limit, NO_ROOM), None
         return LeaseStatus(limit, outcome), self._local_store if answer.admitted else None
+
+    def _log_failure(self, line: str) -> None:
+        """One line a second, however many requests the store fails."""
+        now = time.monotonic()
+        if now - self._last_failure_log >= FAILURE_LOG_INTERVAL:
+            self._last_failure_log = now
+            log.warning("%s", line)
 
     def _local_limit(self, limit: ConcurrencyLimit) -> ConcurrencyLimit:
         """This instance's share of the fleet's concurrency, at least 1."""

@@ -48,7 +48,7 @@ from gateway.limiter.concurrency import FAILED_THIS_REQUEST as NOT_ASKED_AGAIN
 from gateway.limiter.concurrency import SETTLE_SECONDS, Concurrency
 from gateway.limiter.denial_cache import REFUNDING_STORE_MAX_HOLD, CachedDenial, DenialCache
 from gateway.limiter.token_leases import Leases
-from gateway.limiter.memory_store import MemoryStore
+from gateway.limiter.memory_store import MemoryStore, StoreFull
 from gateway.limiter.outcomes import (
     ALLOW,
     DELAYED,
@@ -56,6 +56,7 @@ from gateway.limiter.outcomes import (
     FAIL_LOCAL,
     FAILURE_OUTCOME,
     FAILURE_OUTCOMES,
+    NO_ROOM,
     SHADOW_LIMITED,
     SKIPPED,
 )
@@ -91,7 +92,7 @@ class Decision:
     allowed: bool
     statuses: tuple[LimitStatus, ...]
     retry_after: float  # seconds; 0 when allowed
-    store_failed: bool  # denied because a fail-closed limit could not be checked
+    store_failed: bool  # denied because a fail-closed limit could not be checked, or the in-process store was full
     wait: float = 0.0  # seconds an allowed request waits before it goes on (mode: delay)
 
     @property
@@ -155,8 +156,10 @@ class Limiter:
         on_breaker_change: Callable[[BreakerState], None] | None = None,
         on_lease_release_failed: Callable[[], None] | None = None,
         resets: WorkerResets | None = None,
+        local_store: Callable[[], MemoryStore] = MemoryStore,
     ) -> None:
-        """`resets`: with several workers, the log of bucket resets they share."""
+        """`resets`: with several workers, the log of bucket resets they share. `local_store`
+        makes each in-process stand-in of `on_store_error: local`."""
         self.store = store
         self._resets = resets
         self.leases = Leases() if shared_store else None
@@ -169,7 +172,7 @@ class Limiter:
         self.breaker = CircuitBreaker(on_change=on_breaker_change)
         self._waves = ClientWaves(seats=_seats)
         self._local_divisor = local_divisor
-        self._local_store = MemoryStore()
+        self._local_store = local_store()
         self._local_limits: dict[tuple[str, int], tuple[Limit, Limit]] = {}  # (name, cost) -> (limit, its share)
         self._last_failure_log = -FAILURE_LOG_INTERVAL
         self._last_refund_log = -FAILURE_LOG_INTERVAL
@@ -182,6 +185,7 @@ class Limiter:
             local_divisor=local_divisor,
             breaker=self.breaker if shared_store else None,
             on_release_failed=on_lease_release_failed,
+            local_store=local_store(),
         )
 
     async def check(self, checks: Sequence[LimitCheck]) -> Decision:
@@ -202,6 +206,8 @@ class Limiter:
                 decision = _decision(checks, await self.store.check(checks))
             except StoreError as exc:
                 decision = self._on_store_error(checks, exc)
+            except StoreFull as exc:
+                decision = self._no_room(checks, exc)
         if not decision.allowed:  # an allowed request costs this one test
             now = time.monotonic()
             for c, status in zip(checks, decision.statuses):
@@ -416,7 +422,10 @@ class Limiter:
             for c in checks
             if c.limit.on_store_error is FailurePolicy.LOCAL
         ]
-        answer = self._local_store.check_now(local) if local else None
+        try:
+            answer = self._local_store.check_now(local) if local else None
+        except StoreFull as full:
+            return self._no_room(checks, full)
         remaining = iter(answer.remaining if answer else ())
         statuses = tuple(
             LimitStatus(
@@ -435,6 +444,15 @@ class Limiter:
             store_failed=False,
             wait=answer.wait if answer and allowed else 0.0,
         )
+
+    def _no_room(self, checks: Sequence[LimitCheck], exc: StoreFull) -> Decision:
+        """The in-process store could not hold this request's buckets: refused, nothing charged."""
+        now = time.monotonic()
+        if now - self._last_failure_log >= FAILURE_LOG_INTERVAL:
+            self._last_failure_log = now
+            log.warning("refusing requests with 503: %s", exc)
+        statuses = tuple(LimitStatus(c.limit, c.cost, None, NO_ROOM) for c in checks)
+        return Decision(allowed=False, statuses=statuses, retry_after=1.0, store_failed=True)
 
     def _local_limit(self, limit: Limit, cost: int) -> Limit:
         cached = self._local_limits.get((limit.name, cost))

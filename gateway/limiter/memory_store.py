@@ -9,6 +9,15 @@ follow the calendar, by the wall clock. Concurrency leases live here too
 (gateway.limiter.leases), with the Redis script's semantics; an identity whose
 last lease is released or found expired is dropped. The admin API reads and
 forgets buckets and leases here as it does in Redis.
+
+Memory is capped as nginx's `limit_req` zone is: a budget of `max_bytes` holds
+a fixed number of entries (a bucket, or an identity's live leases). A check
+that needs a new bucket when the budget is spent drops buckets that have
+refilled, then evicts the least recently checked bucket; a client whose bucket
+was evicted starts again from a full one, which is the cap's price in
+exactness. Live leases are never evicted: they are requests in flight, and
+dropping them would admit more than the limit. When no room can be made, the
+check raises `StoreFull` and nothing is charged.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from __future__ import annotations
 import heapq
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
 from gateway.limiter import bucket, leases, quota
@@ -27,19 +37,41 @@ _BucketId = tuple[str, str]
 # Buckets examined for dropping per check: far more than a check can add, so memory
 # still follows the active clients, while no single request pays for a long quiet spell.
 FORGET_PER_CHECK = 64  # (limit name, identity digest)
+DEFAULT_MAX_BYTES = 32 * 1024 * 1024
+# What one entry costs, measured with tracemalloc (tests/test_memory_store.py holds
+# the store to it): its key, its state, its place in the LRU order and in the expiry heap.
+ENTRY_BYTES = 768
+
+
+class StoreFull(Exception):
+    """The in-process store's memory budget is spent on what it cannot evict: nothing was
+    charged, and the proxy answers 503. Not a `StoreError`: no failure policy applies,
+    since no other store could answer better."""
 
 
 class MemoryStore:
     description = "in-process"
     refunds = False
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        on_evict: Callable[[], None] | None = None,
+    ) -> None:
+        """`on_evict` is told of each bucket evicted before it had refilled."""
         self._clock = clock
         self._wall_clock = wall_clock
         self._secret = os.urandom(32)
-        # bucket id -> (state, time it is full again: for a quota, when its window ends)
-        self._buckets: dict[_BucketId, tuple[bucket.State, float]] = {}
-        # One (time it may be full, bucket id) entry per bucket, earliest first.
+        self.max_entries = max(1, max_bytes // ENTRY_BYTES)
+        self._on_evict = on_evict
+        # bucket id -> (state, time it is full again: for a quota, when its window ends),
+        # least recently checked first
+        self._buckets: OrderedDict[_BucketId, tuple[bucket.State, float]] = OrderedDict()
+        # (time it may be full, bucket id) entries, earliest first: one per bucket held, and
+        # stale ones of buckets evicted or deleted, until `_compact_expiry` drops them.
         self._expiry: list[tuple[float, _BucketId]] = []
         # (limit name, identity digest) -> lease id -> time it expires
         self._leases: dict[_BucketId, dict[str, float]] = {}
@@ -61,6 +93,8 @@ class MemoryStore:
     def acquire_now(self, lease: LeaseCheck) -> LeaseDecision:
         limit = lease.limit
         owner = (limit.name, identity_digest(self._secret, lease.identity))
+        if owner not in self._leases:
+            self._make_room(1, self._clock())
         outcome, held = leases.acquire(
             self._leases.get(owner, {}), lease.lease, capacity=limit.concurrency, ttl=limit.lease_ttl, now=self._clock()
         )
@@ -99,17 +133,24 @@ class MemoryStore:
         ids = [(c.limit.name, identity_digest(self._secret, c.identity)) for c in checks]
         specs = [spec_of(c) for c in checks]
         held = [self._buckets.get(i) for i in ids]
+        for bucket_id, was_held in zip(ids, held):
+            if was_held is not None:  # checked now, so the last to be evicted
+                self._buckets.move_to_end(bucket_id)
         outcome = bucket.check(
             [h[0] if h else None for h in held], specs, now, quota_now=self._wall_clock() * 1000, quota_unit=1000
         )
+        if outcome.allowed:
+            new = {i for i, h, spec in zip(ids, held, specs) if h is None and spec.cost}
+            if new:
+                self._make_room(len(new), now, keep=len(set(ids)) - len(new))
         for bucket_id, was_held, state, spec, reset in zip(ids, held, outcome.states, specs, outcome.resets):
             # When it is full again (a quota: its window ends), by its limit as checked now.
             full_at = now + (bucket.seconds_until_full(state, spec, now) if reset is None else reset)  # type: ignore[arg-type]
             if outcome.allowed:
                 if spec.cost:
+                    if bucket_id not in self._buckets:  # new, or forgotten as full while room was made
+                        self._push_expiry(full_at, bucket_id)
                     self._buckets[bucket_id] = (state, full_at)
-                    if was_held is None:
-                        heapq.heappush(self._expiry, (full_at, bucket_id))
             elif was_held is not None and full_at > was_held[1]:
                 # Nothing is charged, but a bucket is kept until it is full by its limit now:
                 # a reload that lowered the rate (or raised the burst or lengthened the window)
@@ -154,6 +195,35 @@ class MemoryStore:
         so an idle store reports (and holds) nothing."""
         self._forget_full(self._clock())
         return len(self._buckets)
+
+    def _make_room(self, needed: int, now: float, keep: int = 0) -> None:
+        """Room for `needed` new entries within the budget: buckets that have refilled go
+        first, then the least recently checked ones. Raises `StoreFull`, evicting nothing,
+        when even every bucket would not make room (the rest are live leases, or the budget
+        is smaller than one request's limits). `keep`: buckets of the check under way, at
+        the end of the order, which are never evicted for it."""
+        excess = len(self._buckets) + len(self._leases) + needed - self.max_entries
+        if excess <= 0:
+            return
+        self._forget_full(now)
+        excess = len(self._buckets) + len(self._leases) + needed - self.max_entries
+        if excess > len(self._buckets) - keep:
+            raise StoreFull(f"the in-process store holds {self.max_entries} entries and none can be evicted")
+        for _ in range(excess):
+            self._buckets.popitem(last=False)
+            if self._on_evict is not None:
+                self._on_evict()
+
+    def _push_expiry(self, full_at: float, bucket_id: _BucketId) -> None:
+        heapq.heappush(self._expiry, (full_at, bucket_id))
+        if len(self._expiry) > 2 * len(self._buckets) + FORGET_PER_CHECK:
+            self._compact_expiry()
+
+    def _compact_expiry(self) -> None:
+        """The heap again with one entry per bucket held: evicted and deleted buckets leave
+        theirs behind, and a flood of new clients would otherwise grow it past the budget."""
+        self._expiry = [(full_at, bucket_id) for bucket_id, (_, full_at) in self._buckets.items()]
+        heapq.heapify(self._expiry)
 
     def _forget_full(self, now: float, at_most: float = float("inf")) -> None:
         while self._expiry and self._expiry[0][0] <= now and at_most > 0:

@@ -17,6 +17,8 @@ ALLOWLISTED = "allowlisted"  # the limit's `allow` names the client: not checked
 FAIL_OPEN, FAIL_CLOSED, FAIL_LOCAL = "fail_open", "fail_closed", "fail_local"
 FAILURE_OUTCOME = {FailurePolicy.OPEN: FAIL_OPEN, FailurePolicy.CLOSED: FAIL_CLOSED, FailurePolicy.LOCAL: FAIL_LOCAL}
 FAILURE_OUTCOMES = frozenset(FAILURE_OUTCOME.values())
+# The in-process store had no room for the client's bucket or lease: the request got 503.
+NO_ROOM = "no_room"
 
 
 def rate_limit_outcomes(limit: Limit) -> tuple[str, ...]:

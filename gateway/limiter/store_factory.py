@@ -6,7 +6,7 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from gateway.config.model import StoreConfig
-from gateway.limiter.memory_store import MemoryStore
+from gateway.limiter.memory_store import DEFAULT_MAX_BYTES, MemoryStore
 from gateway.limiter.redis_store import RedisStore
 from gateway.limiter.store import Store
 
@@ -19,8 +19,11 @@ STORES_BY_SCHEME: dict[str, Callable[[StoreConfig], Store]] = {
 }
 
 
-def make_store(config: StoreConfig | None) -> Store:
-    """The in-process store when no store is configured; otherwise the store for the URL's scheme."""
+def make_store(
+    config: StoreConfig | None, *, local_memory: int = DEFAULT_MAX_BYTES, on_evict: Callable[[], None] | None = None
+) -> Store:
+    """The in-process store, of `local_memory` bytes, when no store is configured; otherwise
+    the store for the URL's scheme."""
     if config is None:
-        return MemoryStore()
+        return MemoryStore(max_bytes=local_memory, on_evict=on_evict)
     return STORES_BY_SCHEME[urlsplit(config.url).scheme](config)

@@ -30,7 +30,7 @@ from gateway.bounded_protocol import CANCEL_ON_HANGUP, ClientLimitExceeded, hung
 from gateway.config.model import GatewayConfig
 from gateway.limiter.concurrency import Admission
 from gateway.limiter.limiter import UNLIMITED, Decision, Limiter
-from gateway.limiter.outcomes import ALLOW, FAIL_CLOSED, FAIL_OPEN, SKIPPED
+from gateway.limiter.outcomes import ALLOW, FAIL_CLOSED, FAIL_OPEN, NO_ROOM, SKIPPED
 from gateway.limiter.store import LimitCheck
 from gateway.metrics import STATUS_CLASSES, Metrics, method_label
 from gateway.proxy.client_identity import ClientIdentity, IdentityRejected
@@ -488,10 +488,11 @@ async def _stream_on(parts: list[bytes], content: aiohttp.StreamReader) -> Async
 def _rejection(plan: RoutePlan, decision: Decision, limit_headers: dict[str, str]) -> web.Response:
     """A request over its limits: answered as the first limit that denied it (in the route's
     order) says, with Retry-After whatever its header style. A fail-closed limit whose store
-    failed: 503 problem+json with Retry-After: 1."""
+    failed, or an in-process store with no room for the client: 503 problem+json with Retry-After: 1."""
     if decision.store_failed:
-        names = tuple(s.limit.name for s in decision.statuses if s.outcome == FAIL_CLOSED and not s.limit.shadow)
-        return problem_response(503, plan.store_unavailable(names).body(), headers=_RETRY_AFTER_ONE)
+        enforced = [s for s in decision.statuses if not s.limit.shadow]
+        full = [s.limit.name for s in enforced if s.outcome == NO_ROOM]
+        return _store_failed(plan, full, [s.limit.name for s in enforced if s.outcome == FAIL_CLOSED])
     statuses = decision.statuses
     denied = [i for i in plan.enforced if statuses[i].denied]
     first = plan.limits[denied[0]]
@@ -511,14 +512,22 @@ def _rejection(plan: RoutePlan, decision: Decision, limit_headers: dict[str, str
 
 def _concurrency_rejection(plan: RoutePlan, admission: Admission, limit_headers: dict[str, str]) -> web.Response:
     if admission.store_failed:
-        names = tuple(s.limit.name for s in admission.statuses if s.outcome == FAIL_CLOSED)
-        return problem_response(503, plan.store_unavailable(names).body(), headers=_RETRY_AFTER_ONE)
+        statuses = admission.statuses
+        full = [s.limit.name for s in statuses if s.outcome == NO_ROOM]
+        return _store_failed(plan, full, [s.limit.name for s in statuses if s.outcome == FAIL_CLOSED])
     refused = next(i for i, s in enumerate(admission.statuses) if s.outcome not in (ALLOW, SKIPPED, FAIL_OPEN))
     limited = plan.concurrency[refused]
     headers = {**limit_headers, **limited.fields}
     # The rate limits' policy, when sent, lists the concurrency limits too.
     headers.setdefault("RateLimit-Policy", plan.fields.concurrency_policy)
     return limited.limited.response(headers)
+
+
+def _store_failed(plan: RoutePlan, full: list[str], closed: list[str]) -> web.Response:
+    """503 for limits the in-process store had no room for (`full`), else for fail-closed
+    limits whose store failed (`closed`)."""
+    template = plan.store_full(tuple(full)) if full else plan.store_unavailable(tuple(closed))
+    return problem_response(503, template.body(), headers=_RETRY_AFTER_ONE)
 
 
 def _raw_path(request: web.BaseRequest) -> str | None:

@@ -232,6 +232,20 @@ class RoutePlan:
         return template
 
 
+    def store_full(self, names: tuple[str, ...]) -> ProblemTemplate:
+        """The 503 body when the in-process store had no room for the buckets of `names`."""
+        template = self._rejections.get((503, names, None))  # type: ignore[arg-type]
+        if template is None:
+            template = self._rejections[(503, names, None)] = ProblemTemplate.of(  # type: ignore[index]
+                503,
+                _TITLES[503],
+                "The gateway's in-process store is full and cannot track another client now.",
+                kind=REDUCED_CAPACITY,
+                **{VIOLATED_POLICIES: names},
+            )
+        return template
+
+
 _TITLES = {429: "Too Many Requests", 503: "Service Unavailable"}
 
 
