@@ -1,9 +1,9 @@
 """The documentation keeps up with the code and with itself: every YAML key the loader
 accepts has a row in docs/configuration.md, every metric the gateway exports is named in
 docs/admin-api.md's "Metrics and health" or in docs/operations.md (and every metric the
-README or a docs page names exists), every docs page is linked from the README, and every
-relative link in the README and docs/ leads to a file that exists (and a heading that
-exists, when it names one)."""
+README or a docs page names exists), the README's short config loads, every docs page is
+linked from the README, and every relative link in the README and docs/ leads to a file
+that exists (and a heading that exists, when it names one)."""
 
 import ast
 import re
@@ -80,7 +80,7 @@ def _mapping_calls() -> list[tuple[str, str, list[str]]]:
 
 def _section(text: str, heading: str, level: str) -> str:
     """The text under `level heading` up to the next heading of that level or higher."""
-    match = re.search(rf"^{level} {re.escape(heading)}\n(.*?)(?=^#{{1,{len(level)}}} |\Z)", text, re.M | re.S)
+    match = re.search(rf"^{level} {re.escape(heading)}\n(.*?)(?=^#{{1,{len(level)}}} |\Z)", text, re.MULTILINE | re.DOTALL)
     assert match, f"no heading {level} {heading}"
     return match.group(1)
 
@@ -130,6 +130,11 @@ def test_every_config_key_has_a_row_in_the_configuration_reference():
     assert missing == []
 
 
+def test_the_readme_config_is_one_the_loader_takes():
+    (text,) = re.findall(r"^```yaml\n(.*?)^```$", README, re.MULTILINE | re.DOTALL)
+    parse_config(text, source="README.md", environ={"GATEWAY_KEY_SECRET": "a-secret-of-thirty-two-characters"})
+
+
 def test_retired_keys_are_still_refused():
     text = "store: {url: redis://127.0.0.1:1/0, max_connections: 8}\nroutes: [{match: {path: /}, upstream: http://a}]\n"
     with pytest.raises(ConfigError, match="store.max_connections: no longer used"):
@@ -166,7 +171,7 @@ def test_every_metric_the_docs_name_exists():
 
 def _links(text: str) -> list[str]:
     """Targets of the markdown links and images in `text`, outside fenced code blocks."""
-    prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
     return re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", prose)
 
 
@@ -176,8 +181,8 @@ def _anchor(heading: str) -> str:
 
 
 def _anchors(text: str) -> set[str]:
-    prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
-    return {_anchor(heading) for heading in re.findall(r"^#{1,6} (.+)$", prose, re.M)}
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+    return {_anchor(heading) for heading in re.findall(r"^#{1,6} (.+)$", prose, re.MULTILINE)}
 
 
 def test_every_docs_page_is_linked_from_the_readme():
