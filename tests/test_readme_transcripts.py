@@ -41,9 +41,6 @@ VARYING = [
     (re.compile(r"(?<=retry in )\d+(?= s\.)"), "6", "[1-6]"),
 ]
 
-# The ports the README's commands name, as the quick starts set them up.
-README_PORTS = ("8080", "9090", "8081", "9091")
-
 # curl must reach the gateway itself, whatever proxy the machine's environment names.
 CURL_ENV = {**os.environ, "NO_PROXY": "*", "no_proxy": "*"}
 COMMAND_TIMEOUT = 30
