@@ -1,5 +1,5 @@
 -- Give back what a check charged, when a request's later check in another
--- Redis Cluster slot denied it (all-or-nothing across slots; see the README).
+-- Redis Cluster slot denied it (all-or-nothing across slots; see docs/limit-policies.md).
 --
 -- KEYS[i]           limit i: a bucket (a hash: tokens, ts) or a quota (a hash: n, w)
 -- ARGV[2i-1 .. 2i]  capacity (a quota: its limit), cost of limit i

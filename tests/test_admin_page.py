@@ -8,7 +8,7 @@ the counter totals the page computes its rates from, summed over the workers.
 
 The browser is Debian's chromium, driven by chromedriver over the WebDriver
 protocol (tests/webdriver.py). `GATEWAY_UPDATE_SCREENSHOT=1` makes the test write
-its screenshot to docs/admin-page.png, the one the README shows."""
+its screenshot to docs/admin-page.png, the one docs/admin-api.md shows."""
 
 from __future__ import annotations
 

@@ -155,7 +155,7 @@ async def test_a_leased_bucket_a_bucket_a_quota_and_a_concurrency_limit_on_one_r
     """300 requests of one client at once over three gateways, every one held upstream: the
     quota (40) is the tightest rate limit, so exactly 40 pass the rate limits, each charging
     every one of them; of those, 5 get a lease and reach the upstream, and 35 are refused
-    by the concurrency limit, charged all the same (as the README says)."""
+    by the concurrency limit, charged all the same (as docs/limit-policies.md says)."""
     upstream = CountingUpstream()
     async with serving(upstream.handle) as upstream_url:
         config = STACKED_CONFIG.format(url=dedicated_redis.url, upstream=upstream_url)

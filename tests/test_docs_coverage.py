@@ -1,6 +1,9 @@
-"""The README keeps up with the code: every YAML key the loader accepts has a row in the
-"Configuration reference", and every metric the gateway exports is named in "Metrics and
-health" or "Operations" (and every metric the README names exists)."""
+"""The documentation keeps up with the code and with itself: every YAML key the loader
+accepts has a row in docs/configuration.md, every metric the gateway exports is named in
+docs/admin-api.md's "Metrics and health" or in docs/operations.md (and every metric the
+README or a docs page names exists), the README's short config loads, every docs page is
+linked from the README, and every relative link in the README and docs/ leads to a file
+that exists (and a heading that exists, when it names one)."""
 
 import ast
 import re
@@ -11,10 +14,15 @@ import pytest
 from gateway.config import ConfigError, loader, parse_config
 from gateway.metrics import Metrics
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+DOCS = {path: path.read_text(encoding="utf-8") for path in sorted((ROOT / "docs").glob("*.md"))}
+CONFIGURATION = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+ADMIN_API = (ROOT / "docs" / "admin-api.md").read_text(encoding="utf-8")
+OPERATIONS = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
 
 # Each `_Reader.mapping` call in the loader, by (function, YAML path argument as written), ->
-# the README heading whose tables document it and the key path of its keys beneath that heading.
+# the docs/configuration.md heading whose tables document it and the key path of its keys beneath that heading.
 # A new mapping call fails test_every_mapping_call_has_a_section until it is placed here.
 SECTIONS = {
     ("_build", "''"): ("Top level", ""),
@@ -72,15 +80,15 @@ def _mapping_calls() -> list[tuple[str, str, list[str]]]:
 
 def _section(text: str, heading: str, level: str) -> str:
     """The text under `level heading` up to the next heading of that level or higher."""
-    match = re.search(rf"^{level} {re.escape(heading)}\n(.*?)(?=^#{{1,{len(level)}}} |\Z)", text, re.M | re.S)
-    assert match, f"README has no heading {level} {heading}"
+    match = re.search(rf"^{level} {re.escape(heading)}\n(.*?)(?=^#{{1,{len(level)}}} |\Z)", text, re.MULTILINE | re.DOTALL)
+    assert match, f"no heading {level} {heading}"
     return match.group(1)
 
 
 def _rows(heading: str) -> list[tuple[set[str], set[str]]]:
     """(code spans of the first cell, code spans of the whole row) of each table row under
-    `### heading` of the configuration reference."""
-    section = _section(_section(README, "Configuration reference", "##"), heading, "###")
+    `## heading` of docs/configuration.md."""
+    section = _section(CONFIGURATION, heading, "##")
     rows = []
     for line in section.splitlines():
         if line.startswith("|") and not line.startswith("|---"):
@@ -109,7 +117,7 @@ def test_every_mapping_call_has_a_section():
     assert SECTIONS.keys() - placed == set(), "these SECTIONS entries name no mapping call any more"
 
 
-def test_every_config_key_has_a_readme_row():
+def test_every_config_key_has_a_row_in_the_configuration_reference():
     expected = {
         (heading, prefix + key)
         for function, path, keys in _mapping_calls()
@@ -120,6 +128,11 @@ def test_every_config_key_has_a_readme_row():
         (heading, key) for heading, key in expected - RETIRED if not _documented(key, _rows(heading))
     )
     assert missing == []
+
+
+def test_the_readme_config_is_one_the_loader_takes():
+    (text,) = re.findall(r"^```yaml\n(.*?)^```$", README, re.MULTILINE | re.DOTALL)
+    parse_config(text, source="README.md", environ={"GATEWAY_KEY_SECRET": "a-secret-of-thirty-two-characters"})
 
 
 def test_retired_keys_are_still_refused():
@@ -144,12 +157,49 @@ def _metric_names(text: str) -> set[str]:
     return set(re.findall(r"`(gateway_[a-z_]+)(?:\{[^`]*\})?`", text))
 
 
-def test_every_metric_is_named_in_the_readme():
-    named = _metric_names(_section(README, "Metrics and health (admin listener)", "##"))
-    named |= _metric_names(_section(README, "Operations", "##"))
+def test_every_metric_is_named_in_the_metrics_or_operations_page():
+    named = _metric_names(_section(ADMIN_API, "Metrics and health (admin listener)", "##"))
+    named |= _metric_names(OPERATIONS)
     assert sorted(_exported().keys() - named) == []
 
 
-def test_every_metric_the_readme_names_exists():
+def test_every_metric_the_docs_name_exists():
     exposed = set().union(*_exported().values())
-    assert sorted(_metric_names(README) - exposed) == []
+    for path, text in {ROOT / "README.md": README, **DOCS}.items():
+        assert sorted(_metric_names(text) - exposed) == [], path.name
+
+
+def _links(text: str) -> list[str]:
+    """Targets of the markdown links and images in `text`, outside fenced code blocks."""
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+    return re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", prose)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's id for a heading: lower case, punctuation dropped, spaces as `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(text: str) -> set[str]:
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+    return {_anchor(heading) for heading in re.findall(r"^#{1,6} (.+)$", prose, re.MULTILINE)}
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    linked = {(ROOT / target.partition("#")[0]).resolve() for target in _links(README)}
+    assert [path.name for path in DOCS if path.resolve() not in linked] == []
+
+
+def test_every_relative_link_leads_to_a_file_and_heading_that_exist():
+    broken = []
+    for path in [ROOT / "README.md", ROOT / "SECURITY.md", *DOCS]:
+        for target in _links(path.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+:", target):
+                continue  # https://, mailto: and the like: not ours to check offline
+            file, _, fragment = target.partition("#")
+            resolved = (path.parent / file).resolve() if file else path
+            if not resolved.exists():
+                broken.append(f"{path.name}: {target} (no such file)")
+            elif fragment and resolved.suffix == ".md" and fragment not in _anchors(resolved.read_text(encoding="utf-8")):
+                broken.append(f"{path.name}: {target} (no such heading)")
+    assert broken == []

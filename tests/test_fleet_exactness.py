@@ -14,7 +14,7 @@ every gateway's /metrics.
   the global bucket denied charged the per-client buckets nothing.
 - Composite keys `[[header:X-API-Key, path]]`: each (key, path) exactly its burst.
 - `lease: 20` on a global key: never more than the burst, and no less than the
-  burst less 20 per process (the README's bound).
+  burst less 20 per process (the bound in docs/limit-policies.md).
 
 Rates are slow enough (at most 2 tokens a second) that nothing refills while a
 flood is decided, so each count is exact. The fleet and Redis are shared; each

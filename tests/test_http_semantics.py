@@ -225,7 +225,7 @@ async def test_a_rejected_request_with_an_unread_body_leaves_the_connection_usab
 
 
 async def test_no_via_is_added_on_either_leg(gw):
-    # README: nginx and Envoy add none by default, and an nginx upstream stops gzipping for one.
+    # docs/proxying.md: nginx and Envoy add none by default, and an nginx upstream stops gzipping for one.
     url, _ = gw
     status, headers, rest = split_head(await exchange(url, request("GET", "/echo", close=True)))
     assert status == 200 and "via" not in headers

@@ -11,7 +11,7 @@ How it is observed, with real parts only: each example gets a fresh in-process
 gateway in front of the echo upstream, and one limit with a burst of 1000. The
 request R goes over a raw socket from 127.0.0.1 (untrusted) or 127.0.0.2 (a
 trusted proxy). If it is forwarded, the echo shows what the upstream received;
-`upstream_identity` below, written from the README's rules and not from the
+`upstream_identity` below, written from the rules in docs/configuration.md and not from the
 gateway's code, computes the identity from that alone. A probe P carrying only
 that identity, in its plainest form, then follows: R's RateLimit header said
 r=999 (a fresh bucket charged once), and P must say r=998, the same bucket
@@ -165,7 +165,7 @@ def _trusted(address: str) -> bool:
 
 
 def upstream_identity(echo: dict, peer: str, order: tuple[str, ...] = SOURCES) -> str:
-    """The README's rules, applied to what the upstream received: the first source of `order`
+    """The rules of docs/configuration.md, applied to what the upstream received: the first source of `order`
     present, else the ip. The upstream trusts the
     gateway, so the last X-Forwarded-For entry is the peer the gateway saw; from there the
     chain is read right to left, skipping trusted proxies."""

@@ -1,5 +1,5 @@
 """The benchmark's report: medians over the rounds, ratios, the issue's targets
-beside what was measured, and the machine, as markdown the README can quote."""
+beside what was measured, and the machine, as markdown docs/performance.md can quote."""
 
 from __future__ import annotations
 
