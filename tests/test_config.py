@@ -613,6 +613,27 @@ def test_an_upstream_url_error_shows_its_password_as_stars(upstream, expected):
     assert "s3cr3t" not in message
 
 
+@pytest.mark.parametrize(
+    ("secret", "expected"),
+    [
+        ("s3cr3t-token\n", "character 20 of 20 is '\\n'"),
+        ("s3cr3t-tok\u00e9n", "character 18 of 19 is '\\xe9'"),
+        ("s3cr3t-token ", "this one of 20 characters starts or ends with a space or tab"),
+    ],
+)
+def test_a_header_rule_value_error_says_where_the_value_is_wrong_without_quoting_it(secret, expected):
+    """Header rules often carry secrets from the environment; the error names the path and
+    the offending character, never the value."""
+    text = (
+        "routes:\n  - match: {path: /}\n    upstream: http://h:1\n"
+        "    request_headers: {set: {Authorization: 'Bearer ${TOKEN}'}}\n"
+    )
+    message = error_of(text, {"TOKEN": secret})
+    assert "routes[0].request_headers.set.Authorization: a header value may hold visible ASCII" in message
+    assert expected in message
+    assert "s3cr3t" not in message
+
+
 # --- YAML aliases ----------------------------------------------------------------------
 
 

@@ -185,6 +185,15 @@ _NOT_IN_ROUTE_PATH = re.compile(r"[%;?#\\\x00-\x1f\x7f]")
 _HEADER_VALUE_RE = re.compile(r"[!-~](?:[ \t!-~]*[!-~])?|")
 
 
+def _misfit(value: str) -> str:
+    """Where a header value breaks the rule, without quoting it: values are often secrets
+    from the environment (`Authorization: "Bearer ${TOKEN}"`)."""
+    if value[:1] in (" ", "\t") or value[-1:] in (" ", "\t"):
+        return f"this one of {len(value)} characters starts or ends with a space or tab"
+    position = next(i for i, char in enumerate(value) if not (" " <= char <= "~" or char == "\t"))
+    return f"character {position + 1} of {len(value)} is {ascii(value[position])}"
+
+
 class ConfigError(Exception):
     """An invalid config file; str() is the one line shown to the user. Characters that are
     not printable (a key holding a newline, a value with a control character) are escaped
@@ -1321,7 +1330,7 @@ def _header_rules(doc: Any, path: str, unrewritable: frozenset[str], r: _Reader)
             if not isinstance(value, str):
                 r.fail(where, f"expected a string (quote numbers: \"2\"), got {_type_name(value)}")
             if not _HEADER_VALUE_RE.fullmatch(value):
-                r.fail(where, f"a header value may hold visible ASCII, with spaces and tabs inside only, got {value!r}")
+                r.fail(where, f"a header value may hold visible ASCII, with spaces and tabs inside only; {_misfit(value)}")
             out.append((name, value))
         return tuple(out)
 
