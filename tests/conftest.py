@@ -10,6 +10,16 @@ from tests.processes import RedisServer, SentinelServer, wait_until
 from tests.upstream import running_upstream
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules marked `timing` measure latency, load, exactness under load or memory:
+    under pytest-xdist they form one group, so one worker runs them one at a time while
+    the others run the rest (whose processes run at normal priority, below the real-time
+    Redis these tests start)."""
+    for item in items:
+        if item.get_closest_marker("timing") is not None:
+            item.add_marker(pytest.mark.xdist_group("timing"))
+
+
 @pytest.fixture
 async def upstream():
     """The URL of a real aiohttp upstream running in the test's event loop."""

@@ -32,6 +32,8 @@ from gateway.testing import running_gateway
 from tests.processes import eventually
 from tests.scrape import scrape, value
 
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
+
 # How late a timeout may fire and its close reach the test, on a busy 2-core machine.
 SLACK = 2.0
 GET = b"GET /echo HTTP/1.1\r\nHost: gateway.test\r\n\r\n"

@@ -10,6 +10,7 @@ import asyncio
 import time
 
 import aiohttp
+import pytest
 
 from gateway.limiter.circuit_breaker import (
     BREAKER_COOLDOWN,
@@ -25,6 +26,8 @@ from gateway.testing import running_gateway
 from tests.processes import RedisServer, eventually
 from tests.scrape import scrape, value
 from tests.test_redis_failures import gateway_yaml, get, one_limit, store_config
+
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
 
 def test_it_opens_after_consecutive_failures_over_a_while_only():

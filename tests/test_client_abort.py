@@ -16,10 +16,13 @@ import time
 from urllib.parse import urlsplit
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from tests.processes import GatewayProcess, eventually
 from tests.scrape import decisions, scrape, value
+
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
 UPSTREAM_HOLD_SECONDS = 20.0  # far longer than any test waits: finishing it would fail the test
 

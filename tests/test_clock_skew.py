@@ -32,6 +32,8 @@ import pytest
 from tests.examples import ONE_REDIS_LIMIT
 from tests.processes import GatewayProcess
 
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
+
 RATE, BURST = "1/2s", 5
 SEQUENTIAL, CONCURRENT = 12, 40
 # Requests in a run must end before Redis's clock refills a whole token.

@@ -13,11 +13,14 @@ import collections
 import time
 
 import aiohttp
+import pytest
 
 from gateway.limiter.concurrency import RENEW_FRACTION
 from tests.processes import GatewayProcess, eventually, gateway_fleet
 from tests.scrape import settled_decisions
 from tests.upstream import CountingUpstream, serving
+
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
 GATEWAYS = 4
 IDENTITIES = 3

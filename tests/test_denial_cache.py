@@ -25,6 +25,8 @@ from gateway.limiter.redis_store import SECRET_KEY_SUFFIX, RedisStore
 from gateway.limiter.store import LimitCheck, StoreError
 from gateway.testing import config_from_yaml
 
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
+
 
 def limit(rate: str = "10/second", burst: int = 5, name: str = "per_client", shape: str = "") -> Limit:
     """`shape`: more of the limit's YAML, such as `mode: delay, max_delay: 500ms`, or a quota instead of a rate."""

@@ -55,6 +55,8 @@ from tests.chaos_proxy import ChaosProxy
 from tests.processes import GatewayProcess, RedisServer, eventually
 from tests.scrape import scrape, settled_decisions
 
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
+
 STORE_TIMEOUT = 0.010  # the default store.timeout; the config below leaves it unset
 LATENCY_SLACK = 0.005
 RECOVERY_BOUND = 1.0

@@ -42,6 +42,8 @@ from tests.processes import GatewayProcess, RedisServer, gateway_fleet
 from tests.scrape import settled_decisions
 from tests.upstream import serving_in_a_thread
 
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
+
 GATEWAYS = 4
 MAX_DELAYED = 3  # per gateway process
 LEASE = 20

@@ -28,6 +28,8 @@ from tests.test_redis_cluster import PREFIX, SECRET, bucket, cluster_yaml, ident
 from tests.test_redis_sentinel import sentinel_url
 from tests.upstream import CountingUpstream, serving
 
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
+
 CONCURRENCY = 5
 CLIENTS = 120  # concurrent requests per round, far past CONCURRENCY
 HOT_BURST = 60

@@ -13,6 +13,7 @@ import itertools
 import tracemalloc
 
 import aiohttp
+import pytest
 
 from gateway.limiter.denial_cache import DenialCache
 from gateway.limiter.keys import COMPACT_IDENTITY, memory_key
@@ -23,6 +24,8 @@ from gateway.testing import running_gateway
 from tests.processes import GatewayProcess
 from tests.test_denial_cache import limit
 from tests.upstream import CountingUpstream, serving
+
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
 
 def long_identity(i: int, length: int = MAX_IDENTITY_LENGTH) -> str:

@@ -27,6 +27,8 @@ from tests.processes import GatewayProcess, eventually
 from tests.scrape import decisions as decisions_now, settled_decisions
 from tests.upstream import CountingUpstream, serving
 
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
+
 FLOOD = 1000
 HEAD = "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\n"
 

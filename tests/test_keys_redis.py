@@ -14,10 +14,13 @@ import signal
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from gateway.limiter.keys import identity_digest
 from tests.processes import GatewayProcess, eventually
 from tests.scrape import decisions, settled_decisions
+
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
 RELOADED = "config reloaded from"
 

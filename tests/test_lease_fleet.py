@@ -27,6 +27,8 @@ from tests.processes import GatewayProcess, gateway_fleet
 from tests.upstream import serving
 from tests.scrape import settled_decisions
 
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
+
 GATEWAYS = 4
 LEASE = 20
 CONCURRENCY = 48

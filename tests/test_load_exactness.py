@@ -25,6 +25,8 @@ from tests.examples import ONE_REDIS_LIMIT
 from tests.scrape import settled_decisions
 from tests.processes import GatewayProcess
 
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
+
 WRK = shutil.which("wrk") or "/usr/bin/wrk"
 # Long enough for every connection to make many requests after the first answer.
 WRK_SECONDS = 2

@@ -13,11 +13,14 @@ import itertools
 import json
 
 import aiohttp
+import pytest
 
 from gateway.limiter.memory_store import ENTRY_BYTES
 from tests.processes import GatewayProcess, eventually
 from tests.scrape import decisions, scrape, value
 from tests.upstream import CountingUpstream, serving
+
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
 EVICTIONS = "gateway_local_store_evictions_total"
 

@@ -11,10 +11,13 @@ import asyncio
 import json
 
 import aiohttp
+import pytest
 
 from gateway.testing import running_gateway
 from tests.processes import eventually
 from tests.scrape import scrape, value
+
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
 CAP = 2
 BEYOND = 3

@@ -27,6 +27,8 @@ from gateway.testing import config_from_yaml
 from tests.processes import GatewayProcess, RedisCluster, eventually, free_cluster_port
 from tests.scrape import settled_decisions
 
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
+
 SECRET = "cluster-test-secret"
 PREFIX = "rl:"
 

@@ -23,6 +23,8 @@ from gateway.limiter.store import LimitCheck, StoreError
 from gateway.testing import config_from_yaml, running_gateway
 from tests.processes import RedisServer
 
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
+
 
 def gateway_yaml(store_url: str, upstream: str, *, timeout: str, burst: int = 10, rate: str = "1/day") -> str:
     """Three routes: /free has no limit, /open fails open, /closed fails closed."""

@@ -14,11 +14,14 @@ import asyncio
 import collections
 
 import aiohttp
+import pytest
 import redis.asyncio
 
 from tests.examples import ONE_REDIS_LIMIT
 from tests.scrape import settled_decisions
 from tests.processes import gateway_fleet
+
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
 GATEWAYS = 4
 REQUESTS = 400

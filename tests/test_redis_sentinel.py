@@ -8,12 +8,15 @@ import asyncio
 import time
 
 import aiohttp
+import pytest
 
 from gateway.limiter.circuit_breaker import BREAKER_COOLDOWN
 from gateway.limiter.redis_connection import RECONNECT_BACKOFF_MAX
 from gateway.testing import running_gateway
 from tests.processes import SentinelServer, eventually, wait_until
 from tests.test_redis_failures import gateway_yaml, get
+
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
 
 def sentinel_url(sentinels: list[SentinelServer]) -> str:

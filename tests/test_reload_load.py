@@ -19,12 +19,15 @@ import signal
 from collections.abc import Callable
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from tests.processes import GatewayProcess, RedisServer, eventually, free_port
 from tests.scrape import settled_decisions
 from tests.test_cli import metric
 from tests.upstream import serving
+
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
 RELOADED = "config reloaded from"
 FLOOD = 600

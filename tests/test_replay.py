@@ -36,10 +36,13 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from tests.processes import gateway_fleet
 from tests.replay_script import LOG_SUFFIX, Decision, replay
 from tests.scrape import settled_decisions
+
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
 GATEWAYS = 8
 LOOPS_PER_GATEWAY = 32

@@ -28,6 +28,8 @@ from tests.processes import GatewayProcess, RedisServer, store_block_for
 from tests.scrape import scrape, settled_decisions, value
 from tests.upstream import serving
 
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
+
 RATE, BURST, MAX_DELAY = 2.0, 1, 2.5
 STEP_MS = 1000 / RATE  # a token's refill: the spacing of the waits
 CONCURRENT = 30
@@ -94,16 +96,13 @@ async def flood(http: aiohttp.ClientSession, url: str, arrived: list[float]) -> 
     return [status for status, _ in answers], [retry for _, retry in answers], sent
 
 
-# The flood's checks are all made within this of its sending, on a loaded 2-core machine.
-DECIDED_WITHIN_MS = 400
-
-
 def assert_waited_their_turn(delays: list[int]) -> None:
     """The k-th request to arrive upstream (ms after the flood was sent) waited k refills:
     never released early (the bucket was first charged after the flood was sent), and not
-    a refill late either."""
+    a whole refill late either. Only the lower bound is exact; the upper one leaves a shared
+    machine's scheduler a refill, and still fails a wait counted twice or a turn skipped."""
     for k, delay in enumerate(delays):
-        assert k * STEP_MS - 1000 * JITTER <= delay <= k * STEP_MS + DECIDED_WITHIN_MS, delays
+        assert k * STEP_MS - 1000 * JITTER <= delay < (k + 1) * STEP_MS, delays
 
 
 @pytest.mark.parametrize("store_kind", ["redis", "in-process"])
@@ -124,9 +123,10 @@ async def test_a_flood_is_shaped_one_at_once_five_waiting_in_order_the_rest_reje
     assert len(arrived) == 6 and arrived == sorted(arrived)
     assert_waited_their_turn(delays)
     # The five waiting requests were told their waits in one script call each, at once:
-    # they are released a token's refill apart.
+    # they are released a token's refill apart (half a refill of slack above, for the
+    # scheduler; a spacing of two refills still fails).
     for earlier, later in zip(delays[1:], delays[2:]):
-        assert STEP_MS - 1000 * JITTER <= later - earlier <= STEP_MS + 1000 * JITTER, delays
+        assert STEP_MS - 1000 * JITTER <= later - earlier < 1.5 * STEP_MS, delays
     # Never more than the bucket allows in any span between the waiting requests' releases.
     for i in range(1, len(arrived)):
         for j in range(i, len(arrived)):
@@ -134,9 +134,10 @@ async def test_a_flood_is_shaped_one_at_once_five_waiting_in_order_the_rest_reje
     assert (counts["shaped", "allow"], counts["shaped", "delayed"], counts["shaped", "deny"]) == (1 + 1, 5, 24)
     assert counts["shaped", "fail_open"] == 0
     assert value(samples, "gateway_limiter_delay_seconds_count") == 5
-    # 1 + 2 + ... + 5 refills, less the refill between the first check and the others'.
+    # 1 + 2 + ... + 5 refills, less the refill between the first check and the others';
+    # above, each of the five may be a refill late on a loaded machine, not more.
     step = 1 / RATE
-    assert 15 * step - 5 * step < value(samples, "gateway_limiter_delay_seconds_sum") <= 15 * step + 5 * JITTER
+    assert 15 * step - 5 * step < value(samples, "gateway_limiter_delay_seconds_sum") < 15 * step + 5 * step
 
 
 async def test_past_max_delayed_waiting_requests_a_worker_rejects_instead():

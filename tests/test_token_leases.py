@@ -32,6 +32,8 @@ from tests.lua_bridge import FakeRedis, LuaScript
 from tests.model_check import TOLERANCE
 from tests.processes import eventually
 
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
+
 LEASE_SCRIPT = load_script(TOKEN_LEASE_SCRIPT_NAME)
 
 
