@@ -152,7 +152,10 @@ def describe(config: GatewayConfig) -> str:
     from gateway.config.units import redacted_url
     from gateway.proxy.routing import shadowed
 
-    store = "in-process (one process only)"
+    from gateway.limiter.memory_store import ENTRY_BYTES
+
+    held = f"{config.local_store_memory / 1024 / 1024:g} MiB, about {config.local_store_memory // ENTRY_BYTES:,} buckets"
+    store = f"in-process (one process only), {held}"
     if config.store:
         from gateway.limiter.redis_store import redacted
 

@@ -151,7 +151,7 @@ def test_check_shows_route_options_host_and_the_in_process_store(tmp_path):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert "listen 0.0.0.0:8080, admin 127.0.0.1:9090, workers 1, max in flight 1024 per worker, shutdown grace 1.5s" in lines
-    assert "store: in-process (one process only)" in lines
+    assert "store: in-process (one process only), 32 MiB, about 43,690 buckets" in lines
     assert "trusted proxies: none (X-Forwarded-For is ignored)" in lines
     assert lines[-1] == (
         "  [0] api.example.com/v1 GET,HEAD -> https://backend:8443: no limits; strip_prefix, timeout connect 0.25s read 120s"

@@ -692,3 +692,21 @@ def test_parse_config_reads_only_the_environ_it_is_given(monkeypatch):
     monkeypatch.setenv("GATEWAY_TEST_HOST", "r.internal")
     message = error_of("store: {url: 'redis://${GATEWAY_TEST_HOST}/0'}\n" + ROUTE, {})
     assert "GATEWAY_TEST_HOST is not set" in message
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("0", "local_store_memory: expected a size greater than zero"),
+        ("lots", "local_store_memory: expected a size such as 32KiB"),
+        ("2TiB", "local_store_memory: expected a size such as 32KiB"),
+    ],
+)
+def test_local_store_memory_is_a_size_and_a_bad_one_names_its_path(value, expected):
+    assert expected in error_of(f"local_store_memory: {value}\nroutes:\n  - match: {{path: /}}\n    upstream: http://h:1\n")
+
+
+def test_local_store_memory_defaults_to_32_mib_and_takes_a_size():
+    routes = "routes:\n  - match: {path: /}\n    upstream: http://h:1\n"
+    assert parse_config(routes, source="<test>", environ={}).local_store_memory == 32 * 1024 * 1024
+    assert parse_config("local_store_memory: 256MiB\n" + routes, source="<test>", environ={}).local_store_memory == 256 << 20
