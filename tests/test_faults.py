@@ -59,6 +59,11 @@ pytestmark = pytest.mark.timing  # measures time, load or memory: one such modul
 
 STORE_TIMEOUT = 0.010  # the default store.timeout; the config below leaves it unset
 LATENCY_SLACK = 0.005
+# What a fault may add at p99 over the unlimited route in the same window: under two store
+# timeouts, so a request that waited out a second one (a retry, a second store call) fails.
+# One timeout plus LATENCY_SLACK is what these runs show alone (12.6 to 13.1 ms for a reply
+# 10 ms late), but a p99 of one window moves with the other worker's load (15.5 ms seen).
+P99_ADDED_BOUND = 2 * STORE_TIMEOUT
 RECOVERY_BOUND = 1.0
 STORE_CALLS_PER_REQUEST = 1.1
 # A CPython process's RSS moves with its allocator's arenas; across these runs it
@@ -356,9 +361,9 @@ async def test_fault(fault: Fault, upstream):
         assert breaker in (["open"], ["half_open"]), f"the breaker was {breaker} at the end of the fault"
     elif fault.fails_checks is False:
         assert failed <= NOISE * len(limited), f"{failed} checks failed"
-    assert open_added <= STORE_TIMEOUT + LATENCY_SLACK, f"fail-open added {open_added * 1000:.1f} ms at p99"
+    assert open_added < P99_ADDED_BOUND, f"fail-open added {open_added * 1000:.1f} ms at p99"
     if refusals:
-        assert refusal_added <= STORE_TIMEOUT + LATENCY_SLACK, f"503s added {refusal_added * 1000:.1f} ms at p99"
+        assert refusal_added < P99_ADDED_BOUND, f"503s added {refusal_added * 1000:.1f} ms at p99"
     assert first <= RECOVERY_BOUND, f"the first decision by Redis came {first:.2f} s after the fault ended"
     assert steady <= RECOVERY_BOUND, f"decisions by Redis were steady only {steady:.2f} s after the fault ended"
     if fault.loses_script:
