@@ -5,7 +5,7 @@ number of header lines (128), but not their total: 126 lines of 8 KB, about
 1 MB, were accepted, and 300 such unfinished heads took the RSS from 232 MB to
 649 MB. It has one timer, `keepalive_timeout`, which also ends an unfinished
 head, and none between the reads of a request body. So this module adds, at
-the protocol level where the bytes arrive (issue 8 §3):
+the protocol level where the bytes arrive:
 
 - **client_header_timeout**: a request head must arrive whole within this of
   its first byte; for a connection's first request, of the connection's start
@@ -36,7 +36,7 @@ keepalive_timeout, and at the latest by the two timeouts together.
 A client that hangs up while its request is with the upstream cancels it: the
 handler marks that phase with `cancel_on_hangup`, and a lost connection cancels
 the handler's task there, so the upstream request is abandoned at once instead
-of run to completion for nobody (issue 9 §7). Nowhere else: a task cancelled
+of run to completion for nobody. Nowhere else: a task cancelled
 inside the limiter's check could leave a charge that no metric counts.
 """
 

@@ -1,9 +1,8 @@
 """A bounded wait for a connection to an upstream.
 
-aiohttp's connector queues a request for a pooled connection without end: when
-slow clients held all 1,000 connections to one upstream with bodies sent a
-byte at a time, every other route on it stopped answering (issue 8 §3). Here a
-request takes one of the upstream's `upstream_connections` slots at once when
+aiohttp's connector queues a request for a pooled connection without end, so
+slow clients holding every connection to one upstream would stop every other
+route on it. Here a request takes one of the upstream's `upstream_connections` slots at once when
 one is free (no await, no allocation), and otherwise waits in line at most its
 route's `timeout.queue`, after which the proxy answers 503. A slot is held from
 sending the request until the upstream's response has been passed on.
