@@ -19,7 +19,7 @@ import time
 import aiohttp
 import pytest
 
-from gateway.config.loader import ConfigError
+from gateway.config import ConfigError
 from gateway.testing import config_from_yaml
 from tests.processes import GatewayProcess, eventually, free_port, run_cli
 from tests.scrape import decisions

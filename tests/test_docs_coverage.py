@@ -58,11 +58,11 @@ RETIRED = {("`store`", "max_connections")}
 
 
 def _mapping_calls() -> list[tuple[str, str, list[str]]]:
-    """(function, path argument, literal keys) for each `mapping(...)` call in the loader.
+    """(function, path argument, literal keys) for each `mapping(...)` call in gateway/config/.
     Keys computed from the document itself (limit and tier names) are names, not keys."""
-    tree = ast.parse(Path(loader.__file__).read_text(encoding="utf-8"))
+    trees = [ast.parse(module.read_text(encoding="utf-8")) for module in sorted(Path(loader.__file__).parent.glob("*.py"))]
     calls = []
-    for function in ast.walk(tree):
+    for function in (node for tree in trees for node in ast.walk(tree)):
         if not isinstance(function, ast.FunctionDef) or function.name == "mapping":
             continue
         for node in ast.walk(function):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.config.loader import ConfigError
+from gateway.config import ConfigError
 from gateway.testing import config_from_yaml, running_gateway
 from tests.raw_client import echoed, echoed_headers, raw_request, request_bytes
 

@@ -19,7 +19,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from gateway.config.loader import ConfigError
+from gateway.config import ConfigError
 from gateway.config.model import JwtConfig, JwtFailure, JwtKey
 from gateway.proxy.jwt_identity import VERIFIED_MEMO_SIZE, JwtVerifier, bearer_token
 from gateway.testing import config_from_yaml, running_gateway

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config.loader import ConfigError
+from gateway.config import ConfigError
 from gateway.config.model import ClientIpHeader, IdentitySource
 from gateway.testing import config_from_yaml
 

@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
+from gateway.config import ConfigError
 from gateway.config.body_template import parse_body_template, parse_content_type
-from gateway.config.loader import ConfigError
 from gateway.config.model import DEFAULT_BODY_CONTENT_TYPE, HeaderStyle
 from gateway.testing import config_from_yaml
 from tests.processes import GatewayProcess, free_port

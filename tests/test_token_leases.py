@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.config.loader import ConfigError
+from gateway.config import ConfigError
 from gateway.config.model import FailurePolicy, IdentitySource, Limit, StoreConfig
 from gateway.config.units import Rate
 from gateway.limiter import bucket

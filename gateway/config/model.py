@@ -17,6 +17,8 @@ from gateway.config.regex import Regex
 from gateway.config.units import Address, Rate, redacted_url
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+# Identity sources every request has: entries after one of them in a `key` list are never read.
+ALWAYS_PRESENT = ("ip", "global", "path", "method")
 
 
 class FailurePolicy(enum.Enum):
@@ -96,7 +98,7 @@ class IdentitySource:
     @property
     def always_present(self) -> bool:
         """Every request has a value for it, so a key listing it never falls back to the address."""
-        return all(leaf.kind in ("ip", "global", "path", "method") for leaf in self.leaves)
+        return all(leaf.kind in ALWAYS_PRESENT for leaf in self.leaves)
 
 
 class ClientIpHeader(enum.Enum):

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from gateway.config.http_names import FORWARDING, HOP_BY_HOP
+
 # RFC 7230 tchar: a Forwarded value of these alone needs no quotes.
 _TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 
-HOP_BY_HOP = frozenset(
-    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade"}
-)
 # Request headers the gateway writes itself, whatever a Connection header names.
-GATEWAY_WRITTEN = frozenset({"x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "forwarded", "host"})
+GATEWAY_WRITTEN = FORWARDING | {"host"}
 # The transfer codings the gateway can relay (see the module docstring).
 _RELAYED_CODINGS = frozenset({"chunked", "identity"})
 _FORWARDING = ("X-Forwarded-For", "X-Forwarded-Proto", "X-Forwarded-Host", "Forwarded")

@@ -29,7 +29,7 @@ import httptools
 from multidict import CIMultiDict
 from yarl import URL
 
-from gateway.proxy.headers import HOP_BY_HOP
+from gateway.config.http_names import HOP_BY_HOP
 
 # Bytes of response body held unread before the upstream is paused: as many as one stream
 # chunk, so 1,000 slow clients hold ~64 MB at most (plus one read each).
@@ -43,7 +43,7 @@ IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS", "TRACE"})
 # Methods whose empty body is still announced, as aiohttp's client and curl do.
 _LENGTH_ALWAYS = frozenset({"POST", "PUT", "PATCH"})
 _RELAYED_CODINGS = frozenset({b"chunked", b"identity"})
-# RFC 9110 §7.6.1: fields of one connection, never relayed (as gateway.proxy.headers.HOP_BY_HOP).
+# RFC 9110 §7.6.1: fields of one connection, never relayed (gateway.config.http_names.HOP_BY_HOP as bytes).
 _HOP_BY_HOP = frozenset(name.encode() for name in HOP_BY_HOP)
 _LAST_CHUNK = b"0\r\n\r\n"
 
