@@ -86,12 +86,15 @@ class AdminApi:
 
     def __init__(self, config: GatewayConfig, limiter: Limiter) -> None:
         self.buckets = BucketApi(config, limiter)
-        self.update(config)
+        self._use(config)
 
     def update(self, config: GatewayConfig) -> None:
         """Answer from `config` from now on (a reload)."""
-        self.config = config
         self.buckets.update(config)
+        self._use(config)
+
+    def _use(self, config: GatewayConfig) -> None:
+        self.config = config
         # Serving without the store is fine unless some limit rejects everything then.
         self.serves_without_store = all(limit.on_store_error is not FailurePolicy.CLOSED for limit in config.limits)
 

@@ -38,6 +38,8 @@ SHOWN_IDENTITY_SECRET = os.urandom(32)
 
 
 class BucketApi:
+    """The routes on one client's buckets and leases, and /top-limited; a reload hands it the new config."""
+
     def __init__(self, config: GatewayConfig, limiter: Limiter) -> None:
         self._limiter = limiter
         self.update(config)
