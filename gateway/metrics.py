@@ -29,7 +29,6 @@ import abc
 import contextlib
 import time
 from bisect import bisect_left
-from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -245,7 +244,7 @@ class Metrics:
     def __init__(self, *, multiprocess: bool = False) -> None:
         # Each gateway has its own registry, so several can run in one process (tests, gateway.testing).
         self.registry = CollectorRegistry(auto_describe=True)
-        self._multiprocess = multiprocess
+        self.multiprocess = multiprocess  # several workers: every count lives in the workers' files
         self._exposed = _Exposed()
         # The request path's metrics: plain in one process, prometheus_client's files with several.
         counter: Callable[..., Any] = Counter if multiprocess else PlainCounter
@@ -419,7 +418,7 @@ class Metrics:
 
     def exposition_registry(self) -> CollectorRegistry:
         """What /metrics serves: this process's registry, or every worker's when there are several."""
-        if not self._multiprocess:
+        if not self.multiprocess:
             return self.registry
         combined = CollectorRegistry()
         combined.register(_CurrentConfigOnly(MultiProcessCollector(None), self))
@@ -463,12 +462,3 @@ def breaker_gauge_setter(gauge: Gauge) -> Callable[[BreakerState], None]:
 
     return set_state
 
-
-def sample_totals(registry: CollectorRegistry) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Every sample `registry` exposes, by sample name (`gateway_requests_total`), with its
-    labels. Given `Metrics.exposition_registry()`, each counter is summed over the workers."""
-    found: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
-    for family in registry.collect():
-        for sample in family.samples:
-            found[sample.name].append((dict(sample.labels), sample.value))
-    return found

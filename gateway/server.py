@@ -1,4 +1,8 @@
-"""Running the gateway as a process: listeners, signals, graceful drain, and worker processes."""
+"""Running the gateway as a process: signals, reloads, graceful drain, and worker processes.
+
+The listeners are opened by gateway.listeners, as for the in-process gateway of the tests.
+Trusts the config it is given and the signals the process receives.
+"""
 
 from __future__ import annotations
 
@@ -19,13 +23,14 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from gateway import __version__
-from gateway.access_log import ACCESS_LOG_FORMATS, access_logger, close_access_log, enable_access_log
+from gateway.access_log import close_access_log, enable_access_log
 from gateway.app import Gateway
 from gateway.config import ConfigError, load_config
 from gateway.config.model import GatewayConfig
 from gateway.config.units import Address
 from gateway.limiter.store import StoreError
 from gateway.limiter.worker_resets import WorkerResets
+from gateway.listeners import StartupError, open_listeners, os_reason
 from gateway.log_lines import close_stderr_log, count_stderr_drops, stderr_line
 from gateway.metrics import reload_failures_counter
 from gateway.proxy.protocol import request_parser
@@ -39,19 +44,10 @@ EXIT_STARTUP = 2
 # (17 us a request, ~5% of its CPU). At 20,000, with startup objects frozen: twice,
 # 0.3 ms in all.
 GC_YOUNG_THRESHOLD = 20_000
-# aiohttp's runner waits its shutdown_timeout for a handler, then cancels and waits it
-# again: with the grace there, a request slower than the grace held the exit for twice
-# the grace. The drain waits out the grace itself; then the cut takes at most 2 x this.
-CUT_SECONDS = 0.1
-DRAIN_POLL_SECONDS = 0.01  # a drain notices the last request within this
 # `--watch` looks at the file this often: an edit takes effect within it, for one stat() a period.
 WATCH_SECONDS = 0.5
 # The supervisor notices a worker's exit at once, and a SIGHUP within this.
 SUPERVISOR_POLL_SECONDS = 0.1
-
-
-class StartupError(Exception):
-    """The gateway could not start (an address that cannot be bound); str() is the one line shown."""
 
 
 async def serve(
@@ -76,108 +72,44 @@ async def serve(
     # Everything built so far lives as long as the process: no collection need walk it.
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
-    public = web.ServerRunner(
-        gateway.public_server(
-            access_log=access_logger if access_log else None,
-            access_log_class=ACCESS_LOG_FORMATS[access_log or "text"],
-        ),
-        shutdown_timeout=CUT_SECONDS,
-    )
-    admin = web.AppRunner(gateway.admin_app, access_log=None, shutdown_timeout=CUT_SECONDS)
-    await public.setup()
-    await admin.setup()
-    reuse = workers > 1  # every worker binds the same ports; the kernel spreads connections
     count_stderr_drops(gateway.metrics.log_lines_dropped.inc)
     if access_log:
         enable_access_log(dropped=gateway.metrics.access_log_dropped.inc)
     try:
-        tls = gateway.tls_context
-        sites = (
-            PublicSite(
-                public, config.listen.host, config.listen.port, reuse_port=reuse, ssl_context=tls,
-                handshake_timeout=config.clients.header_timeout,
-            ),
-            web.TCPSite(admin, config.admin_listen.host, config.admin_listen.port, reuse_port=reuse),
-        )
-        for site, address in zip(sites, (config.listen, config.admin_listen)):
-            try:
-                await site.start()
-            except OSError as exc:
-                raise StartupError(f"cannot listen on {address}: {os_reason(exc)}") from None
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, gateway.reload)
-        watcher = asyncio.create_task(_watch(config.source, gateway.reload)) if watch else None
-        orphaned = asyncio.create_task(_watch_parent(supervisor, stop)) if supervisor is not None else None
-        parser = request_parser()
-        if parser != "llhttp":
-            log.warning("aiohttp parses requests in pure Python, not llhttp: install a compiled aiohttp wheel")
-        log.info(
-            "gateway %s (pid %d) listening on %s://%s (admin http://%s), store: %s, event loop: %s, parser: %s",
-            __version__,
-            os.getpid(),
-            "https" if tls else "http",
-            _bound(public),
-            _bound(admin),
-            gateway.store.description,
-            _loop_name(loop),
-            parser,
-        )
-        await stop.wait()
-        for task in (watcher, orphaned):
-            if task is not None:
-                task.cancel()
-        gateway.draining = True
-        grace = gateway.config.shutdown_grace
-        log.info("draining in-flight requests (up to %gs)", grace)
-        # The public listener stops accepting, then requests in flight get up to the grace;
-        # /readyz answers 503 and /metrics and /healthz stay up meanwhile.
-        for site in list(public.sites):
-            await site.stop()
-        deadline = loop.time() + grace
-        while gateway.handler.in_flight and loop.time() < deadline:
-            await asyncio.sleep(DRAIN_POLL_SECONDS)
+        # Every worker binds the same ports; the kernel spreads connections.
+        async with open_listeners(gateway, access_log=access_log, reuse_port=workers > 1) as listeners:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(signum, stop.set)
+            loop.add_signal_handler(signal.SIGHUP, gateway.reload)
+            watcher = asyncio.create_task(_watch(config.source, gateway.reload)) if watch else None
+            orphaned = asyncio.create_task(_watch_parent(supervisor, stop)) if supervisor is not None else None
+            parser = request_parser()
+            if parser != "llhttp":
+                log.warning("aiohttp parses requests in pure Python, not llhttp: install a compiled aiohttp wheel")
+            log.info(
+                "gateway %s (pid %d) listening on %s://%s (admin http://%s), store: %s, event loop: %s, parser: %s",
+                __version__,
+                os.getpid(),
+                "https" if gateway.tls_context else "http",
+                _bound(listeners.public),
+                _bound(listeners.admin),
+                gateway.store.description,
+                _loop_name(loop),
+                parser,
+            )
+            await stop.wait()
+            for task in (watcher, orphaned):
+                if task is not None:
+                    task.cancel()
+            grace = gateway.config.shutdown_grace
+            log.info("draining in-flight requests (up to %gs)", grace)
+            await listeners.drain(grace)
     finally:
-        # What is still in flight now is cut: aiohttp waits CUT_SECONDS twice for it.
-        await public.cleanup()
-        await admin.cleanup()
         await gateway.close()
         close_access_log()
     log.info("stopped")
-
-
-class PublicSite(web.TCPSite):
-    """aiohttp's TCPSite, but a TLS handshake must finish within `handshake_timeout`
-    (client_header_timeout), as nginx bounds it, not asyncio's default 60 s: until the
-    handshake is done the connection has no protocol, so bounded_protocol's head timer has
-    not started, and a client that sends half a ClientHello held its socket that long.
-    TCPSite passes no ssl_handshake_timeout, so start() is its own, with the same fields."""
-
-    __slots__ = ("_handshake_timeout",)
-
-    def __init__(self, *args: Any, handshake_timeout: float, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._handshake_timeout = handshake_timeout
-
-    async def start(self) -> None:
-        if self._ssl_context is None:
-            await super().start()
-            return
-        await web.BaseSite.start(self)
-        assert self._runner.server is not None
-        self._server = await asyncio.get_running_loop().create_server(
-            self._runner.server,
-            self._host,
-            self._port,
-            ssl=self._ssl_context,
-            ssl_handshake_timeout=self._handshake_timeout,
-            backlog=self._backlog,
-            reuse_address=self._reuse_address,
-            reuse_port=self._reuse_port,
-        )
-        self._bound_port = self._server.sockets[0].getsockname()[1]
 
 
 async def _watch(path: str, reload: Callable[[], object]) -> None:
@@ -209,11 +141,6 @@ def _file_state(path: str) -> tuple[int, int, int] | None:
     except OSError:
         return None
     return stat.st_ino, stat.st_size, stat.st_mtime_ns
-
-
-def os_reason(exc: OSError) -> str:
-    """'Address already in use': uvloop's errors carry errno but no strerror."""
-    return os.strerror(exc.errno) if exc.errno else str(exc)
 
 
 def _bound(runner: web.BaseRunner) -> str:

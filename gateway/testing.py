@@ -6,7 +6,9 @@ the current event loop, on free ports, and always shuts it down.
             await client.get(gw.url + "/api/things")
 
 With no store configured it runs on the in-process store, so a test suite
-needs no Redis.
+needs no Redis. The listeners are opened and drained by gateway.listeners, as
+`gateway run` opens them; signals, workers and the access log's writer are left
+out. Trusts the config it is given, as `gateway run` does.
 """
 
 from __future__ import annotations
@@ -16,12 +18,10 @@ import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from aiohttp import web
-
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, parse_config
 from gateway.config.units import Address
-from gateway.server import PublicSite
+from gateway.listeners import open_listeners
 
 
 @dataclass(frozen=True)
@@ -46,21 +46,14 @@ async def running_gateway(config: GatewayConfig | str) -> AsyncIterator[RunningG
     )
     gateway = Gateway(config)
     await gateway.start()
-    public = web.ServerRunner(gateway.public_server(access_log=None), shutdown_timeout=config.shutdown_grace)
-    admin = web.AppRunner(gateway.admin_app, access_log=None)
-    await public.setup()
-    await admin.setup()
     try:
-        await PublicSite(
-            public, "127.0.0.1", 0, ssl_context=gateway.tls_context, handshake_timeout=config.clients.header_timeout
-        ).start()
-        await web.TCPSite(admin, "127.0.0.1", 0).start()
-        yield RunningGateway(
-            gateway=gateway,
-            url=f"{'https' if gateway.tls_context else 'http'}://127.0.0.1:{public.addresses[0][1]}",
-            admin_url=f"http://127.0.0.1:{admin.addresses[0][1]}",
-        )
+        async with open_listeners(gateway) as listeners:
+            yield RunningGateway(
+                gateway=gateway,
+                url=f"{'https' if gateway.tls_context else 'http'}://127.0.0.1:{listeners.public.addresses[0][1]}",
+                admin_url=f"http://127.0.0.1:{listeners.admin.addresses[0][1]}",
+            )
+            # As `gateway run` stops: what is in flight gets up to the grace to finish.
+            await listeners.drain(gateway.config.shutdown_grace)
     finally:
-        await public.cleanup()
-        await admin.cleanup()
         await gateway.close()

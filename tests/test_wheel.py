@@ -26,14 +26,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "lua" / "token_bucket.lua"
-PAGE = ROOT / "gateway" / "admin_page"
+PAGE = ROOT / "gateway" / "admin" / "page"
 PAGE_FILES = ("index.html", "admin.js", "admin.css")
 
 PROBE = """
 import importlib.resources, json, sys
 import gateway
 from gateway.limiter.redis_store import load_script
-from gateway.admin import page_file
+from gateway.admin.page import page_file
 print(json.dumps({
     "page": {name: page_file(name).decode("utf-8") for name in ("index.html", "admin.js", "admin.css")},
     "gateway": gateway.__file__,
@@ -70,7 +70,7 @@ def test_an_installed_wheel_ships_the_lua_script_and_the_admin_page_and_loads_th
         assert "gateway/lua/token_lease.lua" in names
         assert archive.read("gateway/lua/token_bucket.lua").decode("utf-8") == SCRIPT.read_text(encoding="utf-8")
         for name in PAGE_FILES:
-            assert archive.read(f"gateway/admin_page/{name}") == (PAGE / name).read_bytes()
+            assert archive.read(f"gateway/admin/page/{name}") == (PAGE / name).read_bytes()
     assert not any(name.startswith(("lua/", "tests/")) for name in names), "stray top-level packages in the wheel"
 
     target = tmp_path / "venv"

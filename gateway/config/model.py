@@ -425,7 +425,7 @@ class GatewayConfig:
     # The admin API's top limited clients show identities as sent ("header:x-api-key=...")
     # instead of hashed. Off by default: they are often credentials.
     admin_raw_identities: bool = False
-    # Names the admin listener answers to besides IP literals and localhost (gateway.admin_hosts).
+    # Names the admin listener answers to besides IP literals and localhost (gateway.admin.hosts).
     admin_hosts: frozenset[str] = frozenset()
     clients: ClientLimits = ClientLimits()
     access_log: str | None = None  # "text" or "json": one line per request on stdout; None: off

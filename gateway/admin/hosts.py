@@ -51,9 +51,12 @@ def host_guard(names: Collection[str]) -> Callable[[web.Request, _Handler], Awai
                 "Misdirected Request",
                 "The admin listener answers only to an IP address, localhost, or a name in admin_hosts.",
             )
-        if request.method in _STATE_CHANGING and hdrs.ORIGIN in request.headers:
-            if not hosts or not same_origin(request.headers.getall(hdrs.ORIGIN), hosts[0], request.scheme):
-                return problem(403, "Forbidden", "A request that changes state must come from the listener's own origin.")
+        if (
+            request.method in _STATE_CHANGING
+            and hdrs.ORIGIN in request.headers
+            and (not hosts or not same_origin(request.headers.getall(hdrs.ORIGIN), hosts[0], request.scheme))
+        ):
+            return problem(403, "Forbidden", "A request that changes state must come from the listener's own origin.")
         return await handler(request)
 
     return guard
@@ -93,7 +96,7 @@ def _split(host: str) -> tuple[str | None, str]:
     return (name, port) if colon else (host, "")
 
 
-def _is_ip(text: str, kind: type[ipaddress.IPv4Address] | type[ipaddress.IPv6Address]) -> bool:
+def _is_ip(text: str, kind: type[ipaddress.IPv4Address | ipaddress.IPv6Address]) -> bool:
     try:
         kind(text)
     except ValueError:

@@ -1,0 +1,216 @@
+"""The admin API's client routes: read and reset one client's bucket or leases
+(`/buckets/{limit}`), and the clients this process denied most (`/top-limited`).
+
+Trusts its caller: app.py mounts it behind the Host check and the bearer token.
+The identity a query names is read by the gateway's own rules, as a request's would
+be, and shown hashed (keyed by a secret drawn at import) unless `admin_raw_identities`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from aiohttp import web
+
+from gateway.config.model import ConcurrencyLimit, GatewayConfig, IdentitySource, Limit
+from gateway.limiter.keys import identity_digest
+from gateway.limiter.limiter import Limiter
+from gateway.limiter.store import StoreError
+from gateway.metrics import method_label
+from gateway.proxy.client_identity import (
+    GLOBAL_VALUE,
+    composite_value,
+    ip_group,
+    parse_ip,
+)
+from gateway.proxy.problem import PROBLEM_CONTENT_TYPE, problem_body
+from gateway.proxy.routing import request_host
+from gateway.proxy.tiers import tier_of
+
+DEFAULT_TOP = 10
+# Keys the identity hashes the admin API shows. Made at import, so the worker processes,
+# forked after `gateway run` imported this module, share it: /buckets and /top-limited
+# answer from whichever worker a connection reaches, and a client's hash must be the same
+# in each. Stable while the gateway runs; never a bucket's key.
+SHOWN_IDENTITY_SECRET = os.urandom(32)
+
+
+class BucketApi:
+    """The routes on one client's buckets and leases, and /top-limited; a reload hands it the new config."""
+
+    def __init__(self, config: GatewayConfig, limiter: Limiter) -> None:
+        self._limiter = limiter
+        self.update(config)
+        # Stable while the gateway runs, and alike in every worker, so an operator can match
+        # a client's inspect answer to its line in the top list.
+        self._secret = SHOWN_IDENTITY_SECRET
+
+    def update(self, config: GatewayConfig) -> None:
+        """Answer from `config` from now on (a reload)."""
+        self._config = config
+        self._limits: dict[str, Limit | ConcurrencyLimit] = {
+            limit.name: limit for limit in (*config.limits, *config.concurrency_limits)
+        }
+
+    def add_routes(self, router: web.UrlDispatcher) -> None:
+        router.add_get("/buckets/{limit}", self.inspect)
+        router.add_delete("/buckets/{limit}", self.reset)
+        router.add_get("/top-limited", self.top_limited)
+
+    async def inspect(self, request: web.Request) -> web.Response:
+        limit, identity = self._bucket_of(request)
+        try:
+            if isinstance(limit, ConcurrencyLimit):
+                found = await self._leases_of(limit, identity)
+            else:
+                found = await self._bucket_state(limit, identity)
+        except StoreError as exc:
+            raise _store_unavailable(exc) from None
+        return web.json_response(
+            {**self._describe(limit, identity), **found, "store": self._limiter.store.description}
+        )
+
+    async def _bucket_state(self, limit: Limit, identity: str) -> dict[str, Any]:
+        reading = await self._limiter.read_bucket(limit, identity)
+        return {
+            "key": reading.key,
+            "held": reading.held,
+            "tokens": reading.tokens,
+            "capacity": limit.burst,
+            "rate": limit.rate.text,
+            "full_in_seconds": reading.full_in,
+            "denied_here_for_seconds": self._limiter.denied_here_for(limit, identity),
+        }
+
+    async def _leases_of(self, limit: ConcurrencyLimit, identity: str) -> dict[str, Any]:
+        reading = await self._limiter.concurrency.read(limit, identity)
+        return {
+            "key": reading.key,
+            "in_flight": reading.in_flight,
+            "concurrency": limit.concurrency,
+            "lease_ttl_seconds": limit.lease_ttl,
+            # Were no lease renewed (their gateway died): when the first is freed, and the last.
+            "next_lease_expires_in_seconds": reading.next_expiry_in,
+            "last_lease_expires_in_seconds": reading.last_expiry_in,
+        }
+
+    async def reset(self, request: web.Request) -> web.Response:
+        limit, identity = self._bucket_of(request)
+        try:
+            if isinstance(limit, ConcurrencyLimit):
+                held = await self._limiter.concurrency.reset(limit, identity)
+            else:
+                held = await self._limiter.reset_bucket(limit, identity)
+        except StoreError as exc:
+            raise _store_unavailable(exc) from None
+        return web.json_response({**self._describe(limit, identity), "reset": True, "held": held})
+
+    async def top_limited(self, request: web.Request) -> web.Response:
+        sketch = self._limiter.top_limited
+        text = request.query.get("n", str(DEFAULT_TOP))
+        # isdigit alone takes "²", and int() refuses digit strings past 4300 characters.
+        if not (text.isascii() and text.isdigit() and len(text) <= 9) or not 1 <= int(text) <= sketch.capacity:
+            raise _bad_request(f"n must be a whole number from 1 to {sketch.capacity}.")
+        clients = []
+        for hit in sketch.top(int(text), time.monotonic()):
+            name, identity = hit.key
+            clients.append({"limit": name, "identity": self._shown(identity), "denials": hit.count, "error": hit.error})
+        return web.json_response(
+            {
+                "window_seconds": sketch.window,
+                "identities": "raw" if self._config.admin_raw_identities else "hashed",
+                "clients": clients,
+            }
+        )
+
+    def _bucket_of(self, request: web.Request) -> tuple[Limit | ConcurrencyLimit, str]:
+        """The limit (a bucket's, with its tier, or a concurrency limit) and identity
+        ("source=value") a request names, or a 400 or 404."""
+        name = request.match_info["limit"]
+        limit = self._limits.get(name)
+        if limit is None:
+            raise _problem(web.HTTPNotFound, "Not Found", f"No limit is named {name!r}.", limits=sorted(self._limits))
+        # A client with none of the key's sources is limited by address (client_identity); a
+        # key with a source every request has (ip/24, path) never is.
+        fallback = () if any(s.always_present for s in limit.key) else (IdentitySource(kind="ip"),)
+        sources = {str(s): s for s in (*limit.key, *fallback)}
+        given = request.query.get("source")
+        if given is None:
+            if len(limit.key) > 1:
+                raise _bad_request(
+                    f"Limit {name!r} is keyed on several sources; name one with ?source=.", sources=list(sources)
+                )
+            source = limit.key[0]
+        else:
+            # Header names are matched as the loader keeps them, in lower case.
+            normal = "+".join(p.lower() if p.lower().startswith("header:") else p for p in given.split("+"))
+            source = sources.get(normal)
+            if source is None:
+                raise _bad_request(f"Limit {name!r} is not keyed on {given!r}.", sources=list(sources))
+        value = _identity_value(source, request.query.getall("value", []))
+        identity = f"{source}={value}"
+        tier = request.query.get("tier")
+        if tier is None:
+            return (limit if isinstance(limit, ConcurrencyLimit) else tier_of(limit, value)), identity
+        tiers = limit.tiers.limits if isinstance(limit, Limit) and limit.tiers else {}
+        if tier != "default" and tier not in tiers:
+            raise _bad_request(f"Limit {name!r} has no tier {tier!r}.", tiers=["default", *tiers])
+        return tiers.get(tier, limit), identity
+
+    def _describe(self, limit: Limit | ConcurrencyLimit, identity: str) -> dict[str, Any]:
+        source = identity.partition("=")[0]
+        return {"limit": limit.name, "source": source, "identity": self._shown(identity)}
+
+    def _shown(self, identity: str) -> str:
+        if self._config.admin_raw_identities:
+            return identity
+        source, _, _ = identity.partition("=")
+        return f"{source}#{identity_digest(self._secret, identity)}"
+
+
+def _identity_value(source: IdentitySource, values: list[str]) -> str:
+    """The value a request would have given `source`, from the `value`s the operator gave."""
+    if source.kind == "global":
+        return GLOBAL_VALUE
+    parts = source.leaves
+    if len(values) != len(parts) or not all(values):
+        shown = " and ".join(str(part) for part in parts)
+        raise _bad_request(f"Give the client's value of {shown} as ?value=, once per part in that order, as sent.")
+    if source.kind == "ip" and source.ipv4_prefix == 32 and source.ipv6_prefix == 128:
+        # A whole address is keyed as itself, not as its /32 or /128 (client_identity's common case).
+        return _address(values[0])
+    read = [_part_value(part, value) for part, value in zip(parts, values)]
+    return composite_value(read) if source.kind == "composite" else read[0]
+
+
+def _part_value(source: IdentitySource, value: str) -> str:
+    """One single source's value, read by the gateway's own rules."""
+    if source.kind == "ip":
+        return ip_group(_address(value), source.ipv4_prefix, source.ipv6_prefix)
+    if source.kind == "method":
+        return method_label(value.upper())
+    if source.kind == "host":
+        return request_host(value)
+    return value
+
+
+def _address(text: str) -> str:
+    """An address as the gateway keys a client's (`client_identity.parse_ip`)."""
+    address = parse_ip(text)
+    if address is None:
+        raise _bad_request("The value of an ip source must be an IP address.")
+    return str(address)
+
+
+def _problem(kind: type[web.HTTPException], title: str, detail: str, **extra: object) -> web.HTTPException:
+    return kind(text=problem_body(kind.status_code, title, detail, **extra).decode(), content_type=PROBLEM_CONTENT_TYPE)
+
+
+def _bad_request(detail: str, **extra: object) -> web.HTTPException:
+    return _problem(web.HTTPBadRequest, "Bad Request", detail, **extra)
+
+
+def _store_unavailable(exc: StoreError) -> web.HTTPException:
+    return _problem(web.HTTPServiceUnavailable, "Service Unavailable", f"The store did not answer: {exc}")

@@ -1,0 +1,127 @@
+"""Opening the gateway's two listeners: the public one (the proxy, with the access log
+when asked for) and the admin one, for a started `Gateway`, and draining the public one.
+
+`gateway run` (gateway.server) and the in-process gateway of the tests
+(gateway.testing) both open them here, so the tests serve what production serves;
+signals, workers and the process's logs stay in gateway.server. Trusts its caller for
+the addresses: they come from the config, and a port that cannot be bound is a
+StartupError naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from gateway.access_log import ACCESS_LOG_FORMATS, access_logger
+from gateway.app import Gateway
+
+# aiohttp's runner waits its shutdown_timeout for a handler, then cancels and waits it
+# again: with the grace there, a request slower than the grace held the exit for twice
+# the grace. The drain waits out the grace itself; then the cut takes at most 2 x this.
+CUT_SECONDS = 0.1
+DRAIN_POLL_SECONDS = 0.01  # a drain notices the last request within this
+
+
+class StartupError(Exception):
+    """The gateway could not start (an address that cannot be bound); str() is the one line shown."""
+
+
+@dataclass(frozen=True)
+class Listeners:
+    gateway: Gateway
+    public: web.ServerRunner
+    admin: web.AppRunner
+
+    async def drain(self, grace: float) -> None:
+        """Stop accepting on the public listener, then give the requests in flight up to
+        `grace` to finish; /readyz answers 503 and /metrics and /healthz stay up meanwhile."""
+        self.gateway.draining = True
+        for site in list(self.public.sites):
+            await site.stop()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self.gateway.handler.in_flight and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_SECONDS)
+
+
+@contextlib.asynccontextmanager
+async def open_listeners(
+    gateway: Gateway, *, access_log: str | None = None, reuse_port: bool = False
+) -> AsyncIterator[Listeners]:
+    """Serve `gateway` on its config's `listen` (over TLS with `listen.tls`) and
+    `admin_listen` until the block ends; then cut what is still in flight (drain first
+    for a graceful stop). `access_log` ("text" or "json") writes a line per request to
+    gateway.access_log's logger; `reuse_port` lets every worker bind the same ports."""
+    config = gateway.config
+    public = web.ServerRunner(
+        gateway.public_server(
+            access_log=access_logger if access_log else None,
+            access_log_class=ACCESS_LOG_FORMATS[access_log or "text"],
+        ),
+        shutdown_timeout=CUT_SECONDS,
+    )
+    admin = web.AppRunner(gateway.admin_app, access_log=None, shutdown_timeout=CUT_SECONDS)
+    await public.setup()
+    await admin.setup()
+    try:
+        sites = (
+            PublicSite(
+                public, config.listen.host, config.listen.port, reuse_port=reuse_port, ssl_context=gateway.tls_context,
+                handshake_timeout=config.clients.header_timeout,
+            ),
+            web.TCPSite(admin, config.admin_listen.host, config.admin_listen.port, reuse_port=reuse_port),
+        )
+        for site, address in zip(sites, (config.listen, config.admin_listen)):
+            try:
+                await site.start()
+            except OSError as exc:
+                raise StartupError(f"cannot listen on {address}: {os_reason(exc)}") from None
+        yield Listeners(gateway, public, admin)
+    finally:
+        # What is still in flight now is cut: aiohttp waits CUT_SECONDS twice for it.
+        await public.cleanup()
+        await admin.cleanup()
+
+
+class PublicSite(web.TCPSite):
+    """aiohttp's TCPSite, but a TLS handshake must finish within `handshake_timeout`
+    (client_header_timeout), as nginx bounds it, not asyncio's default 60 s: until the
+    handshake is done the connection has no protocol, so bounded_protocol's head timer has
+    not started, and a client that sends half a ClientHello held its socket that long.
+    TCPSite passes no ssl_handshake_timeout, so start() is its own, with the same fields."""
+
+    __slots__ = ("_handshake_timeout",)
+
+    def __init__(self, *args: Any, handshake_timeout: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._handshake_timeout = handshake_timeout
+
+    async def start(self) -> None:
+        if self._ssl_context is None:
+            await super().start()
+            return
+        await web.BaseSite.start(self)
+        assert self._runner.server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            self._runner.server,
+            self._host,
+            self._port,
+            ssl=self._ssl_context,
+            ssl_handshake_timeout=self._handshake_timeout,
+            backlog=self._backlog,
+            reuse_address=self._reuse_address,
+            reuse_port=self._reuse_port,
+        )
+        self._bound_port = self._server.sockets[0].getsockname()[1]
+
+
+def os_reason(exc: OSError) -> str:
+    """'Address already in use': uvloop's errors carry errno but no strerror."""
+    return os.strerror(exc.errno) if exc.errno else str(exc)
