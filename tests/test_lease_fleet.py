@@ -23,6 +23,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from tests.helpers import script_calls
 from tests.processes import GatewayProcess, gateway_fleet
 from tests.upstream import serving
 from tests.scrape import settled_decisions
@@ -60,10 +61,6 @@ async def counting_upstream():
 def redis_seconds(client) -> float:
     seconds, micros = client.time()
     return seconds + micros / 1e6
-
-
-def script_calls(client) -> int:
-    return client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
 
 
 async def flood(gateways: list[GatewayProcess], *, requests: int | None = None, seconds: float | None = None) -> dict[int, int]:
