@@ -31,6 +31,7 @@ from yarl import URL
 from gateway.testing import running_gateway
 from tests.processes import eventually
 from tests.scrape import scrape, value
+from tests.upstream import RecordingUpstream
 
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
@@ -414,21 +415,15 @@ routes:
 # --- max_body_size ---------------------------------------------------------------
 
 
-class CountingUpstream:
-    """An upstream that counts the requests it hears of and echoes each body's length."""
-
-    def __init__(self) -> None:
-        self.requests = 0
-
-    async def handle(self, request: web.Request) -> web.Response:
-        self.requests += 1
-        body = await request.read()
-        return web.json_response({"length": len(body), "body": body.decode("latin-1")})
+async def body_echo(request: web.BaseRequest) -> web.Response:
+    """Each body's length, and the body itself."""
+    body = await request.read()
+    return web.json_response({"length": len(body), "body": body.decode("latin-1")})
 
 
 @pytest.fixture
 async def counting_upstream():
-    counter = CountingUpstream()
+    counter = RecordingUpstream(body_echo)
     app = web.Application(client_max_size=1 << 24)
     app.router.add_route("*", "/{tail:.*}", counter.handle)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
