@@ -1,6 +1,6 @@
-"""Bounded clients (issue 8 §3): what one client connection may hold of the gateway.
+"""Bounded clients: what one client connection may hold of the gateway.
 
-Each reproduction of the issue, scaled down so it runs in seconds: timeouts are
+Each reproduction of the original report, scaled down so it runs in seconds: timeouts are
 configured short (0.3-0.5 s) and each test asserts the connection ends within a
 bound, with 408 problem+json where a request had begun. Slow and unfinished
 clients are raw sockets; the gateway and the upstream are real.
@@ -315,7 +315,7 @@ routes:
 
 
 async def test_slow_bodies_hold_no_upstream_connection_while_they_trickle(counting_upstream):
-    """The issue's 1,000 chunked POSTs at one byte every 5 s took all 1,000 upstream connections.
+    """The reported 1,000 chunked POSTs at one byte every 5 s took all 1,000 upstream connections.
     Here 4 such bodies against 2 connections: a body still arriving is read ahead before an
     upstream connection is taken, so the upstream never hears of them, and another route on
     it answers at once. A slow body that does end is forwarded whole."""

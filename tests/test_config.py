@@ -25,7 +25,7 @@ def parse(text: str, environ: dict[str, str] | None = None) -> GatewayConfig:
     return parse_config(text, source=SOURCE, environ=environ or {})
 
 
-# --- the issue's example -------------------------------------------------------------
+# --- the reference example ---------------------------------------------------------
 
 
 def test_issue_example_parses_into_the_expected_limits():

@@ -1,4 +1,4 @@
-"""Issue 10 §1, §2, §8 in the config: global and composite keys, the path, host and
+"""Keys in the config: global and composite keys, the path, host and
 method sources, ip prefixes, client_ip, tiers and allowlists are read into frozen
 objects, and each mistake is one line naming its YAML path."""
 

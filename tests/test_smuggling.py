@@ -1,4 +1,4 @@
-"""Request smuggling (issue 8 §8): a corpus of Content-Length / Transfer-Encoding
+"""Request smuggling: a corpus of Content-Length / Transfer-Encoding
 permutations sent over raw sockets, with an upstream that counts every request it
 receives. The gateway and the upstream must agree on how many requests there were:
 each upstream answer the client got is exactly one request the upstream saw, and
