@@ -1,6 +1,6 @@
 """Config documents that several test modules check."""
 
-# The issue's example, exactly as written: config/gateway.yaml without the interpolation.
+# The reference example, exactly as first written: config/gateway.yaml without the interpolation.
 ISSUE_EXAMPLE = """\
 listen: 0.0.0.0:8080
 admin_listen: 127.0.0.1:9090

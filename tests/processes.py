@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -469,3 +469,30 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30) 
         [sys.executable, "-m", "gateway", *args], capture_output=True, text=True, timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+class PeakRss:
+    """Samples a process's RSS (`read`, in bytes) from a thread every `interval` seconds
+    while entered; `peak` is the largest seen, `samples` how many were taken."""
+
+    def __init__(self, read: Callable[[], int], *, interval: float) -> None:
+        self._read = read
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.peak = 0
+        self.samples = 0
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._read())
+            self.samples += 1
+            self._stop.wait(self._interval)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -1,4 +1,4 @@
-"""The access log (issue 9 §8) as a user gets it from `gateway run --access-log`: one
+"""The access log as a user gets it from `gateway run --access-log`: one
 line per request carrying the client address resolved through trusted proxies, the
 route, the limit decision, the upstream status and latency and the request id; the
 client identity only hashed; no query value in the path. And X-Request-ID: passed

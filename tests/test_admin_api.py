@@ -11,6 +11,7 @@ import pytest
 
 from gateway.config import load_config
 from gateway.testing import config_from_yaml, running_gateway
+from tests.helpers import script_calls
 from tests.processes import RedisCluster, RedisServer, free_port
 from tests.upstream import running_upstream
 
@@ -123,9 +124,6 @@ async def test_denied_here_for_follows_a_reload_of_the_limit(upstream, client, d
     path.write_text(limits_config(upstream, store))
     redis = dedicated_redis.client()
 
-    def script_calls() -> int:
-        return redis.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
-
     async with running_gateway(load_config(str(path))) as gw:
         bucket = f"{gw.admin_url}/buckets/per_key?value={API_KEY}"
         assert await statuses(client, gw.url, API_KEY, 3) == [200, 200, 429]
@@ -135,9 +133,9 @@ async def test_denied_here_for_follows_a_reload_of_the_limit(upstream, client, d
         path.write_text(limits_config(upstream, store).replace("burst: 2,", "burst: 3,"))
         assert gw.gateway.reload()
         assert (await call(client, "GET", bucket, expect=200))["denied_here_for_seconds"] == 0
-        calls = script_calls()
+        calls = script_calls(redis)
         assert await statuses(client, gw.url, API_KEY, 1) == [429]
-        assert script_calls() == calls + 1  # as it said: Redis was asked, not this process's cache
+        assert script_calls(redis) == calls + 1  # as it said: Redis was asked, not this process's cache
 
 
 async def test_inspect_and_reset_a_bucket_on_a_redis_cluster(upstream, client):

@@ -1,6 +1,6 @@
-"""Bounded clients (issue 8 §3): what one client connection may hold of the gateway.
+"""Bounded clients: what one client connection may hold of the gateway.
 
-Each reproduction of the issue, scaled down so it runs in seconds: timeouts are
+Each reproduction of the original report, scaled down so it runs in seconds: timeouts are
 configured short (0.3-0.5 s) and each test asserts the connection ends within a
 bound, with 408 problem+json where a request had begun. Slow and unfinished
 clients are raw sockets; the gateway and the upstream are real.
@@ -31,6 +31,7 @@ from yarl import URL
 from gateway.testing import running_gateway
 from tests.processes import eventually
 from tests.scrape import scrape, value
+from tests.upstream import RecordingUpstream
 
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
@@ -314,7 +315,7 @@ routes:
 
 
 async def test_slow_bodies_hold_no_upstream_connection_while_they_trickle(counting_upstream):
-    """The issue's 1,000 chunked POSTs at one byte every 5 s took all 1,000 upstream connections.
+    """The reported 1,000 chunked POSTs at one byte every 5 s took all 1,000 upstream connections.
     Here 4 such bodies against 2 connections: a body still arriving is read ahead before an
     upstream connection is taken, so the upstream never hears of them, and another route on
     it answers at once. A slow body that does end is forwarded whole."""
@@ -414,21 +415,15 @@ routes:
 # --- max_body_size ---------------------------------------------------------------
 
 
-class CountingUpstream:
-    """An upstream that counts the requests it hears of and echoes each body's length."""
-
-    def __init__(self) -> None:
-        self.requests = 0
-
-    async def handle(self, request: web.Request) -> web.Response:
-        self.requests += 1
-        body = await request.read()
-        return web.json_response({"length": len(body), "body": body.decode("latin-1")})
+async def body_echo(request: web.BaseRequest) -> web.Response:
+    """Each body's length, and the body itself."""
+    body = await request.read()
+    return web.json_response({"length": len(body), "body": body.decode("latin-1")})
 
 
 @pytest.fixture
 async def counting_upstream():
-    counter = CountingUpstream()
+    counter = RecordingUpstream(body_echo)
     app = web.Application(client_max_size=1 << 24)
     app.router.add_route("*", "/{tail:.*}", counter.handle)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)

@@ -70,7 +70,7 @@ def test_version_from_the_console_script_and_python_m():
 
 
 def test_check_prints_the_routes_and_limits_it_understood(tmp_path):
-    # The issue's example, with a password in the store URL that must not be printed.
+    # The reference example, with a password in the store URL that must not be printed.
     path = write(tmp_path, ISSUE_EXAMPLE.replace("redis://127.0.0.1", "redis://:hunter2@127.0.0.1"))
     result = run_cli("check", "-c", path)
     assert result.returncode == 0, result.stderr

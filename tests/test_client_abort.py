@@ -1,4 +1,4 @@
-"""A client that hangs up (issue 9 §7): its request is logged and counted as 499, never
+"""A client that hangs up: its request is logged and counted as 499, never
 as a 5xx, and its upstream request is cancelled at once instead of run to completion.
 Every request a client abandoned is still decided and counted exactly once.
 

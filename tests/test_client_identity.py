@@ -193,7 +193,7 @@ async def test_with_no_identity_source_present_the_client_is_keyed_by_ip(upstrea
         assert await status("/by-key", {"X-Api-Key": "eta"}) == 200
 
 
-# --- the limiter and the upstream see the same client (issue 8, section 1) ----------------
+# --- the limiter and the upstream see the same client ------------------------------------
 
 
 async def test_a_request_naming_its_identity_header_in_connection_is_rejected_not_stripped(upstream):

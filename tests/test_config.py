@@ -12,8 +12,8 @@ from gateway.config.regex import Regex
 from gateway.limiter.redis_cluster import parse_cluster_url
 from gateway.limiter.redis_sentinel import parse_sentinel_url
 from tests.examples import ALIAS_BOMBS, ISSUE_EXAMPLE
+from tests.helpers import SOURCE, error_of
 
-SOURCE = "gw.yaml"
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -25,16 +25,7 @@ def parse(text: str, environ: dict[str, str] | None = None) -> GatewayConfig:
     return parse_config(text, source=SOURCE, environ=environ or {})
 
 
-def error_of(text: str, environ: dict[str, str] | None = None) -> str:
-    with pytest.raises(ConfigError) as info:
-        parse(text, environ)
-    message = str(info.value)
-    assert "\n" not in message, message
-    assert message.startswith(f"{SOURCE}: "), message
-    return message
-
-
-# --- the issue's example -------------------------------------------------------------
+# --- the reference example ---------------------------------------------------------
 
 
 def test_issue_example_parses_into_the_expected_limits():

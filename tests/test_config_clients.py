@@ -1,4 +1,4 @@
-"""The config keys that bound clients (issue 8 §3): nginx's defaults where the issue is
+"""The config keys that bound clients: nginx's defaults where the original report is
 silent, and one-line errors naming the YAML path."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Config fuzzing (issue 8 §9): whatever the file holds, the loader answers with a
+"""Config fuzzing: whatever the file holds, the loader answers with a
 GatewayConfig or one ConfigError line naming the file and where, never a traceback.
 
 Three sources of input: arbitrary text, arbitrary YAML documents, and valid

@@ -1,4 +1,4 @@
-"""Exposure, TLS and the parser (issue 8 §8): what is reachable from where, the
+"""Exposure, TLS and the parser: what is reachable from where, the
 admin bearer token, TLS on the public listener with certificates made here by
 trustme, llhttp in charge of parsing, and aiohttp at or above its last advisory.
 

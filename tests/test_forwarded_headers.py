@@ -1,4 +1,4 @@
-"""Forwarding headers (issue 8, section 6): what the upstream is told about the client.
+"""Forwarding headers: what the upstream is told about the client.
 
 With `forwarded_headers: replace`, the default, a peer outside `trusted_proxies`
 cannot forge X-Forwarded-For, X-Forwarded-Proto, X-Forwarded-Host or

@@ -1,4 +1,4 @@
-"""Unfinished heads cannot pile up memory (issue 8 §3). In the issue, 300 unfinished heads
+"""Unfinished heads cannot pile up memory. As first reported, 300 unfinished heads
 of 126 header lines of 8 KB each (about 1 MB) took the gateway from 232 MB to 649 MB of
 RSS, and it stayed at 549 MB after they closed. Here 100 such heads are sent to a gateway
 process at the default max_header_size (32 KiB): each is answered 431 and closed as soon as
@@ -24,7 +24,7 @@ from tests.upstream import running_upstream
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
 HEADS = 100
-# The issue's head: 126 lines of 8 KB, about 1 MB, never finished.
+# The reported head: 126 lines of 8 KB, about 1 MB, never finished.
 HEAD = b"GET / HTTP/1.1\r\nHost: gateway.test\r\n" + b"".join(b"X-Big-%d: " % i + b"v" * 8000 + b"\r\n" for i in range(126))
 GROWTH_LIMIT = 20 * 1000 * 1000  # capped: ~1 MB measured; uncapped: ~200 MB
 

@@ -1,8 +1,8 @@
-"""Properties of the client identity, checked with Hypothesis (issue 8, sections 1 and 9).
+"""Properties of the client identity, checked with Hypothesis.
 
-The property of section 1: for any request the gateway forwards, the identity the
+The property: for any request the gateway forwards, the identity the
 limiter charged equals the identity computed from the request as the upstream
-receives it. The fuzzing of section 9: arbitrary header values, X-Forwarded-For
+receives it. The fuzzing: arbitrary header values, X-Forwarded-For
 chains, cookies, query strings and bearer tokens end in a bucket of a fixed-length
 key, the ip fallback, or a 400 (401 for a bad token where the config says so);
 never a 500, and never a bucket the upstream would not recognise.
@@ -248,7 +248,7 @@ def remaining(headers: dict[str, list[str]]) -> int:
 # --- the properties ----------------------------------------------------------------------------
 
 
-# The reproductions of issue 8 and what the fuzzing found, always tried first.
+# The reported reproductions and what the fuzzing found, always tried first.
 REPRODUCTIONS = [
     (UNTRUSTED, "/echo", [(b"X-Api-Key", b"throwaway-1"), (b"Connection", b"X-Api-Key")]),
     (UNTRUSTED, "/echo", [(b"X-Api-Key", b"\x80secretkey")]),

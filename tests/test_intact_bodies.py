@@ -1,4 +1,4 @@
-"""Request bodies reach the upstream byte for byte (issue 8 §4), whatever their
+"""Request bodies reach the upstream byte for byte, whatever their
 Content-Encoding: the gateway is not the recipient of a gzip body and never
 inflates it. Before, aiohttp's server inflated it while the original
 Content-Length was forwarded: a 38-byte gzip body hung the upstream until the

@@ -1,4 +1,4 @@
-"""Verified JWT identity (issue 8, section 7): `jwt:CLAIM` keys a client by a claim of a
+"""Verified JWT identity: `jwt:CLAIM` keys a client by a claim of a
 bearer token whose signature checks out, and by nothing a client can forge.
 
 Keys are made here: an HS256 secret passed through the environment, an RSA key

@@ -1,4 +1,4 @@
-"""Issue 10 §1, §2, §8 in the config: global and composite keys, the path, host and
+"""Keys in the config: global and composite keys, the path, host and
 method sources, ip prefixes, client_ip, tiers and allowlists are read into frozen
 objects, and each mistake is one line naming its YAML path."""
 
@@ -10,23 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import ConfigError
 from gateway.config.model import ClientIpHeader, IdentitySource
 from gateway.testing import config_from_yaml
+from tests.helpers import error_of
 
 ROUTE = "routes:\n  - match: {path: /}\n    upstream: http://127.0.0.1:9000\n"
 
 
 def limit_of(spec: str, top: str = ""):
     return config_from_yaml(f"{top}limits:\n  a: {spec}\n" + ROUTE).limits[0]
-
-
-def error_of(text: str) -> str:
-    with pytest.raises(ConfigError) as info:
-        config_from_yaml(text)
-    message = str(info.value)
-    assert "\n" not in message
-    return message
 
 
 @pytest.mark.parametrize("key", ["[]", "global", "[global]"])
@@ -186,7 +178,7 @@ def test_a_route_an_earlier_one_only_sometimes_takes_is_accepted(routes):
 @pytest.mark.parametrize("case", MISTAKES)
 def test_each_mistake_is_one_line_naming_its_yaml_path(case):
     text, expected = MISTAKES[case]
-    assert expected in error_of(text)
+    assert expected in error_of(text, source="<test>")
 
 
 def key_file(tmp_path: Path, text: str) -> str:
@@ -225,7 +217,8 @@ def test_a_key_file_maps_clear_and_hashed_keys_to_their_tiers(tmp_path):
 def test_a_bad_key_file_names_the_config_path_the_file_and_the_entry(tmp_path, text, expected):
     file = key_file(tmp_path, text)
     message = error_of(
-        f"limits:\n  a: {{rate: 1/second, tiers: {{from: {{file: '{file}'}}, gold: {{rate: 5/second}}}}}}\n" + ROUTE
+        f"limits:\n  a: {{rate: 1/second, tiers: {{from: {{file: '{file}'}}, gold: {{rate: 5/second}}}}}}\n" + ROUTE,
+        source="<test>",
     )
     assert "limits.a.tiers.from.file" in message and expected in message
 

@@ -1,4 +1,4 @@
-"""Issue 10 §1, §2 on the request path: which bucket a request is charged to.
+"""Keys on the request path: which bucket a request is charged to.
 
 Pure parts first (ip_group, composite_value, forwarded_for, held_to), then
 through a real gateway (`gateway.testing.running_gateway`, in-process store) and

@@ -1,4 +1,4 @@
-"""Issue 10 §1, §2 end to end: the gateway as users start it (`python -m gateway run`),
+"""Keys end to end: the gateway as users start it (`python -m gateway run`),
 a private redis-server, a real upstream. Global limits hold exactly under
 concurrency at the default store.timeout (10 ms), failing open; a tier's client
 gets its tier's exact burst and a fresh bucket when moved (key file + SIGHUP);

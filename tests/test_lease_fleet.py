@@ -15,16 +15,15 @@ Either count is exact only if no check failed open, which the metrics show."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 
 import aiohttp
 import pytest
-from aiohttp import web
 
+from tests.helpers import script_calls
 from tests.processes import GatewayProcess, gateway_fleet
-from tests.upstream import serving
+from tests.upstream import RecordingUpstream, serving
 from tests.scrape import settled_decisions
 
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
@@ -44,26 +43,9 @@ routes:
 """
 
 
-@contextlib.asynccontextmanager
-async def counting_upstream():
-    """A real aiohttp upstream that counts the requests it receives."""
-    arrivals = [0]
-
-    async def count(_: web.Request) -> web.Response:
-        arrivals[0] += 1
-        return web.Response(text="ok")
-
-    async with serving(count) as url:
-        yield url, arrivals
-
-
 def redis_seconds(client) -> float:
     seconds, micros = client.time()
     return seconds + micros / 1e6
-
-
-def script_calls(client) -> int:
-    return client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
 
 
 async def flood(gateways: list[GatewayProcess], *, requests: int | None = None, seconds: float | None = None) -> dict[int, int]:
@@ -94,16 +76,17 @@ async def decided(gateways: list[GatewayProcess]) -> dict[str, float]:
 
 async def test_a_hot_key_within_its_limit_costs_redis_one_call_per_lease(dedicated_redis):
     client = dedicated_redis.client()
-    async with counting_upstream() as (upstream, arrivals):
+    counting = RecordingUpstream()
+    async with serving(counting.handle) as upstream:
         config = CONFIG.format(url=dedicated_redis.url, rate=10_000, burst=10_000, lease=LEASE, upstream=upstream)
         with gateway_fleet(config, GATEWAYS) as gateways:
             before = script_calls(client)
             statuses = await asyncio.wait_for(flood(gateways, requests=2000), 120)
             calls = script_calls(client) - before
             counts = await decided(gateways)
-    print(f"\nwithin the limit: {statuses}, {calls} script calls for {arrivals[0]} allowed ({calls / arrivals[0]:.4f} each)")
+    print(f"\nwithin the limit: {statuses}, {calls} script calls for {counting.requests} allowed ({calls / counting.requests:.4f} each)")
     assert counts["fail_open"] == 0
-    assert statuses == {200: 2000} and arrivals[0] == 2000 == counts["allow"]
+    assert statuses == {200: 2000} and counting.requests == 2000 == counts["allow"]
     # Each process's leases are whole 20s but its last, which may be part spent.
     assert calls <= math.ceil(2000 / LEASE) + GATEWAYS
 
@@ -111,7 +94,8 @@ async def test_a_hot_key_within_its_limit_costs_redis_one_call_per_lease(dedicat
 @pytest.mark.parametrize("rate, burst", [(200, 50)])
 async def test_a_flooded_fleet_never_admits_more_than_the_limit(dedicated_redis, rate, burst):
     client = dedicated_redis.client()
-    async with counting_upstream() as (upstream, arrivals):
+    counting = RecordingUpstream()
+    async with serving(counting.handle) as upstream:
         config = CONFIG.format(url=dedicated_redis.url, rate=rate, burst=burst, lease=LEASE, upstream=upstream)
         with gateway_fleet(config, GATEWAYS) as gateways:
             before = script_calls(client)
@@ -125,14 +109,14 @@ async def test_a_flooded_fleet_never_admits_more_than_the_limit(dedicated_redis,
     # Under-admission: at most LEASE per process per lapse (1 s), and the tokens of the tail.
     least = burst + rate * elapsed - LEASE * GATEWAYS * (math.ceil(elapsed) + 1) - rate * 0.25
     print(
-        f"\nflooded: {statuses} over {elapsed:.3f} s of Redis time; upstream received {arrivals[0]}, "
-        f"limit allows {most:.1f}; {calls} script calls ({calls / max(1, arrivals[0]):.3f} per allowed request)"
+        f"\nflooded: {statuses} over {elapsed:.3f} s of Redis time; upstream received {counting.requests}, "
+        f"limit allows {most:.1f}; {calls} script calls ({calls / max(1, counting.requests):.3f} per allowed request)"
     )
     assert counts["fail_open"] == 0
-    assert arrivals[0] == statuses.get(200, 0) == counts["allow"]
+    assert counting.requests == statuses.get(200, 0) == counts["allow"]
     assert statuses.get(429, 0) > 0 and set(statuses) <= {200, 429}
-    assert arrivals[0] <= most
-    assert arrivals[0] >= least
+    assert counting.requests <= most
+    assert counting.requests >= least
 
 
 BESIDE_A_DENYING_LIMIT = """
@@ -154,7 +138,8 @@ async def test_tokens_a_denying_limit_gives_back_leave_no_process_holding_more_t
     the per-key limit admits 5 and the rest come back. The process then holds at most
     `lease` (10) unspent, the rest back in Redis, so another process admits at least
     100 - 5 - 10 of the global bucket and the fleet never more than 100."""
-    async with counting_upstream() as (upstream, arrivals):
+    counting = RecordingUpstream()
+    async with serving(counting.handle) as upstream:
         config = BESIDE_A_DENYING_LIMIT.format(url=dedicated_redis.url, upstream=upstream)
         with gateway_fleet(config, 2) as (first, second):
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
@@ -165,8 +150,8 @@ async def test_tokens_a_denying_limit_gives_back_leave_no_process_holding_more_t
                         return response.status
 
                 one = await asyncio.gather(*(status(first, "/a", "one") for _ in range(200)))
-                assert arrivals[0] == one.count(200) == 5
+                assert counting.requests == one.count(200) == 5
                 other = await asyncio.gather(*(status(second, "/b", "other") for _ in range(200)))
                 counts = [await settled_decisions(http, gateway.admin_url) for gateway in (first, second)]
-    assert 100 - 5 - 10 <= other.count(200) == arrivals[0] - 5 <= 100 - 5, other.count(200)
+    assert 100 - 5 - 10 <= other.count(200) == counting.requests - 5 <= 100 - 5, other.count(200)
     assert all(c[name, "fail_open"] == 0 for c in counts for name in ("hot", "per_key"))

@@ -101,7 +101,7 @@ def argv(*buckets: list[str]) -> list[str]:
 
 
 # How long a shaping limit (mode: delay) may hold a request, in seconds: none (it
-# rejects), a fraction of a token's refill, the 500 ms, and a minute.
+# rejects), a fraction of a token's refill, the 500 ms first asked for, and a minute.
 max_delays = st.sampled_from([0.0, 0.0, 0.0, 0.001, 0.5, 60.0])
 
 

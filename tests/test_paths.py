@@ -1,9 +1,9 @@
-"""The limiter and the upstream see the same path (issue 8, §2).
+"""The limiter and the upstream see the same path.
 
 Each request path is read once by one rule (gateway.proxy.paths): the route is
 matched on the path that rule resolves, and exactly that path is forwarded, or
 the request is refused with a 400 before the limiter or the upstream hears of
-it. Every example quoted in the issue is sent here over a raw socket (an HTTP
+it. Every example quoted in the original report is sent here over a raw socket (an HTTP
 client would resolve `..` or re-encode the path itself), in each
 `path_normalization` setting, to a real aiohttp upstream that records the raw
 path it received. Each route applies its own limit, so RateLimit-Policy names
@@ -112,7 +112,7 @@ async def refused(gw_url: str, seen: list[str], target: str, method: str = "GET"
     return problem
 
 
-# --- the issue's examples, in each setting -------------------------------------------
+# --- the reported examples, in each setting ----------------------------------------
 
 
 @pytest.mark.parametrize("setting", SETTINGS)

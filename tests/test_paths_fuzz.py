@@ -1,4 +1,4 @@
-"""Fuzzing the path rule through the gateway (issue 8, §9): an arbitrary raw path is
+"""Fuzzing the path rule through the gateway : an arbitrary raw path is
 either forwarded exactly as it was matched, or refused.
 
 The gateway runs as users start it (`python -m gateway run`), in front of a real

@@ -3,11 +3,10 @@ the YAML path."""
 
 import pytest
 
-from gateway.config import ConfigError, GatewayConfig, parse_config
+from gateway.config import GatewayConfig, parse_config
 from gateway.config.model import Balance, HealthCheck, PassiveEjection, Target, UpstreamPool
+from tests.helpers import SOURCE, error_of
 from tests.processes import run_cli
-
-SOURCE = "gw.yaml"
 
 ISSUE_POOL = """
 routes:
@@ -24,14 +23,6 @@ routes:
 
 def parse(text: str) -> GatewayConfig:
     return parse_config(text, source=SOURCE, environ={})
-
-
-def error_of(text: str) -> str:
-    with pytest.raises(ConfigError) as info:
-        parse(text)
-    message = str(info.value)
-    assert "\n" not in message and message.startswith(f"{SOURCE}: "), message
-    return message
 
 
 def pool_route(pool: str, path: str = "/") -> str:

@@ -11,13 +11,12 @@ backpressure holds no more than its socket buffers and a chunk."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import aiohttp
 import pytest
 
-from tests.processes import GatewayProcess
+from tests.processes import GatewayProcess, PeakRss
 from tests.upstream import running_upstream
 
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
@@ -29,31 +28,6 @@ SAMPLE_INTERVAL = 0.02
 # Long enough for an unbounded buffer to pass 150 MB even on a busy machine; it is a
 # stalled reader being simulated, not a wait for anything.
 STALL_SECONDS = 1.0
-
-
-class PeakRss:
-    """Samples a process's RSS from a thread until stopped; `peak` is the largest seen."""
-
-    def __init__(self, gateway: GatewayProcess) -> None:
-        self._gateway = gateway
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self.peak = 0
-        self.samples = 0
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._gateway.rss_bytes())
-            self.samples += 1
-            self._stop.wait(SAMPLE_INTERVAL)
-
-    def __enter__(self) -> PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 @pytest.fixture
@@ -78,7 +52,7 @@ routes:
 async def test_a_1_gib_download_streams_through_within_150_mb_of_gateway_rss(gateway_process):
     received = 0
     started = time.monotonic()
-    with PeakRss(gateway_process) as rss:
+    with PeakRss(gateway_process.rss_bytes, interval=SAMPLE_INTERVAL) as rss:
         async with aiohttp.ClientSession() as client:
             async with client.get(gateway_process.url + f"/stream?size={GIB}") as response:
                 assert response.status == 200
@@ -103,7 +77,7 @@ async def test_a_1_gib_upload_streams_through_within_150_mb_of_gateway_rss(gatew
             yield UPLOAD_BLOCK
 
     started = time.monotonic()
-    with PeakRss(gateway_process) as rss:
+    with PeakRss(gateway_process.rss_bytes, interval=SAMPLE_INTERVAL) as rss:
         async with aiohttp.ClientSession() as client:
             # The upstream waits STALL_SECONDS before it reads the body at all.
             async with client.post(gateway_process.url + f"/sink?pause={STALL_SECONDS}", data=body()) as response:

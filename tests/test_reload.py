@@ -17,6 +17,7 @@ from gateway.config import load_config
 from gateway.proxy.upstream_client import UpstreamClient
 from gateway.testing import running_gateway
 from tests.examples import ALIAS_BOMBS
+from tests.helpers import script_calls
 from tests.processes import GatewayProcess, RedisServer, eventually, free_port
 from tests.test_cli import DEADLINE, metric
 from tests.upstream import running_upstream
@@ -173,9 +174,6 @@ async def test_an_unchanged_limit_keeps_its_cached_denials_and_unspent_leases_ac
     path = tmp_path / "gateway.yaml"
     redis = dedicated_redis.client()
 
-    def script_calls() -> int:
-        return redis.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
-
     path.write_text(reload_config(upstream, dedicated_redis.url))
     async with running_gateway(load_config(str(path))) as gw, aiohttp.ClientSession() as client:
         key = {"X-API-Key": "k"}
@@ -190,20 +188,20 @@ async def test_an_unchanged_limit_keeps_its_cached_denials_and_unspent_leases_ac
         assert await statuses("/denied", 2) == [200, 429]
         assert await statuses("/leased", 1) == [200]  # ten leased, one spent
         assert len(gw.gateway.limiter.denials) == 1
-        calls = script_calls()
+        calls = script_calls(redis)
 
         path.write_text(reload_config(upstream, dedicated_redis.url, extra_route=True))
         assert gw.gateway.reload()
         assert await statuses("/denied", 3) == [429] * 3
         assert await statuses("/leased", 9) == [200] * 9
-        assert script_calls() == calls  # all answered from this process's state
+        assert script_calls(redis) == calls  # all answered from this process's state
 
         path.write_text(reload_config(upstream, dedicated_redis.url, denied_burst=2, leased_burst=101, extra_route=True))
         assert gw.gateway.reload()
         assert await statuses("/denied", 1) == [429]  # the bucket keeps its 0 tokens, but Redis says so
-        assert script_calls() == calls + 1
+        assert script_calls(redis) == calls + 1
         assert await statuses("/leased", 1) == [200]  # a fresh lease of the changed limit
-        assert script_calls() == calls + 2
+        assert script_calls(redis) == calls + 2
 
 
 async def test_a_request_in_flight_finishes_on_the_config_it_started_with(upstream):

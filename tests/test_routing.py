@@ -225,7 +225,7 @@ async def test_without_strip_prefix_the_path_is_forwarded_as_sent(gw, client):
         assert (await response.json())["path"] == "/api/echo/a%2Fb?q=%20"
 
 
-# --- exact, regex, host wildcards, header and query conditions (issue 11 §3) -------------
+# --- exact, regex, host wildcards, header and query conditions --------------------------
 
 FORMS_CONFIG = """
 routes:

@@ -1,4 +1,4 @@
-"""What the gateway says about itself (issue 8 §5): errors are problem+json and echo
+"""What the gateway says about itself: errors are problem+json and echo
 nothing the client sent, no internals or version banner leak, odd request lines
 and Host values are refused, and secrets never reach an error message or a log.
 

@@ -1,4 +1,4 @@
-"""Fuzzing what the gateway says about itself (issue 8 §5): for an arbitrary request
+"""Fuzzing what the gateway says about itself: for an arbitrary request
 head (methods, targets, versions, header names and values, any bytes), every answer
 the gateway makes itself is problem+json that repeats none of it, no answer
 carries a Server banner, and nothing is logged with a traceback.

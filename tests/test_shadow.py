@@ -1,4 +1,4 @@
-"""Shadow mode (issue 9 §2): a limit with `shadow: true` is checked and charged like
+"""Shadow mode: a limit with `shadow: true` is checked and charged like
 any other, shows in gateway_limiter_decisions_total as `shadow_limited` when it would
 have denied, and in the RateLimit fields, but never rejects a request. A shadow limit
 that is short never keeps the enforced limits of the same request from being charged:

@@ -1,4 +1,4 @@
-"""Request smuggling (issue 8 §8): a corpus of Content-Length / Transfer-Encoding
+"""Request smuggling: a corpus of Content-Length / Transfer-Encoding
 permutations sent over raw sockets, with an upstream that counts every request it
 receives. The gateway and the upstream must agree on how many requests there were:
 each upstream answer the client got is exactly one request the upstream saw, and
@@ -24,7 +24,7 @@ from aiohttp import web
 from yarl import URL
 
 from gateway.testing import running_gateway
-from tests.upstream import serving
+from tests.upstream import RecordingUpstream, serving
 
 PROBE_TIMEOUT = 10.0
 CONCURRENCY = 16
@@ -151,18 +151,17 @@ async def send(url: str, probe: Probe) -> list[Answer]:
     return parse_responses(data)
 
 
+async def counted(request: web.BaseRequest) -> web.Response:
+    await request.read()
+    return web.Response(text="ok", headers={"X-Counted": "1"})
+
+
 @pytest.fixture
 async def counting_upstream():
-    """An aiohttp upstream that records the path of every request it is handed."""
-    seen: list[str] = []
-
-    async def count(request: web.BaseRequest) -> web.Response:
-        await request.read()
-        seen.append(request.path)
-        return web.Response(text="ok", headers={"X-Counted": "1"})
-
-    async with serving(count) as url:
-        yield url, seen
+    """An aiohttp upstream that records the path of every request it answers, once its body was read."""
+    recording = RecordingUpstream(counted, once_answered=True)
+    async with serving(recording.handle) as url:
+        yield url, recording.paths
 
 
 async def test_the_upstream_counts_exactly_the_requests_the_gateway_accepted(counting_upstream):

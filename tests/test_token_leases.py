@@ -29,6 +29,7 @@ from gateway.limiter.store import LimitCheck
 from gateway.testing import config_from_yaml
 from tests.chaos_proxy import ChaosProxy
 from tests.lua_bridge import FakeRedis, LuaScript
+from tests.helpers import script_calls
 from tests.model_check import TOLERANCE
 from tests.processes import eventually
 
@@ -255,10 +256,6 @@ async def redis_limiter(redis_server):
         yield Limiter(store, shared_store=True), redis_server.client()
     finally:
         await store.close()
-
-
-def script_calls(client) -> int:
-    return client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
 
 
 async def test_one_script_call_per_lease_and_the_store_denies_when_it_runs_dry(redis_limiter):

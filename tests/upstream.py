@@ -291,3 +291,31 @@ class CountingUpstream:
             return web.Response(text="ok")
         finally:
             self.in_flight[who] -= 1
+
+
+async def _ok(_: web.BaseRequest) -> web.StreamResponse:
+    return web.Response(text="ok")
+
+
+class RecordingUpstream:
+    """For `serving`: records the path of every request it is handed (`paths`; `requests`
+    counts them) and answers it with `answer`, an "ok" by default. A request is recorded as
+    it arrives, before its body is read; with `once_answered`, only once `answer` returned,
+    so that a request whose body never ends is never counted."""
+
+    def __init__(self, answer: Handler = _ok, *, once_answered: bool = False) -> None:
+        self.paths: list[str] = []
+        self._answer = answer
+        self._once_answered = once_answered
+
+    @property
+    def requests(self) -> int:
+        return len(self.paths)
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        if not self._once_answered:
+            self.paths.append(request.path)
+        response = await self._answer(request)
+        if self._once_answered:
+            self.paths.append(request.path)
+        return response

@@ -36,7 +36,7 @@ DEFAULT_ROUNDS = 5
 DEFAULT_DURATION = 4
 DEFAULT_CONNECTIONS = 50
 DEFAULT_THREADS = 1  # one wrk thread leaves the other core of a 2-core machine to the server under test
-# The "50% load": far enough below the maximum that queueing does not dominate.
+# The "50% load" of the targets: far enough below the maximum that queueing does not dominate.
 LATENCY_LOAD_FRACTION = 0.5
 LATENCY_VARIANTS = ("a", "b", "d")
 # Store contenders warm up this long (at most) before the rounds, filling their pools.

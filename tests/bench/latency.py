@@ -2,7 +2,7 @@
 two ways, both free of coordinated omission because requests leave on a schedule
 rather than when the previous one returns.
 
-httperf, the tool the issue names: with `--rate R --num-calls 1` it opens a new
+httperf, the tool first asked for: with `--rate R --num-calls 1` it opens a new
 connection every 1/R seconds however the server fares, and times each
 connection from its connect() to its close. It keeps those times only in a
 histogram of 1 ms bins (`src/stat/basic.c`: BIN_WIDTH 1e-3), printed with `-v -v`

@@ -1,4 +1,4 @@
-"""The benchmark's report: medians over the rounds, ratios, the issue's targets
+"""The benchmark's report: medians over the rounds, ratios, the targets
 beside what was measured, and the machine, as markdown docs/performance.md can quote."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tests.bench.throughput import ThroughputRun
 from tests.bench.variants import Variant
 
 
-# The issue's bound on what streaming a body may add to the gateway's RSS, each way.
+# The bound set on what streaming a body may add to the gateway's RSS, each way.
 RSS_GROWTH_LIMIT = 64 * 1000 * 1000
 QUICK_NOTE = " (scaled down by --quick; the target is for 1 GiB)"
 _MOVED = {"download": "downloaded", "upload": "uploaded"}
@@ -224,7 +224,7 @@ def _mb(size: int) -> str:
 
 
 def targets(results: Results, settings: Settings) -> list[Target]:
-    """The issue's targets, each from this run alone."""
+    """The targets, each from this run alone."""
     rate = {key: median_rate(runs) for key, runs in results.throughput.items()}
     p99 = {key: _median_of(runs, lambda run: run.open_loop.p99_ms) for key, runs in results.latency.items()}
     added = p99["b"] - p99["a"]

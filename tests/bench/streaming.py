@@ -9,8 +9,8 @@ at (a)'s config.
 
 from __future__ import annotations
 
+import functools
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +21,7 @@ import uvloop
 from tests.bench.install import BenchError
 from tests.bench.servers import bulk_upstream, started
 from tests.bench.variants import gateway_yaml
-from tests.processes import GatewayProcess
+from tests.processes import GatewayProcess, PeakRss
 
 GIB = 1 << 30
 # --quick moves 64 MiB each way: seconds instead of a minute, and still far more than any buffer.
@@ -57,31 +57,6 @@ def rss_bytes(pid: int) -> int:
     raise BenchError(f"no VmRSS in /proc/{pid}/status")
 
 
-class PeakRss:
-    """Samples a process's RSS from a thread while entered; `peak` is the largest seen."""
-
-    def __init__(self, pid: int) -> None:
-        self._pid = pid
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self.peak = 0
-        self.samples = 0
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, rss_bytes(self._pid))
-            self.samples += 1
-            self._stop.wait(SAMPLE_INTERVAL)
-
-    def __enter__(self) -> PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 async def download(client: aiohttp.ClientSession, url: str, size: int) -> None:
     received = 0
     async with client.get(f"{url}/stream?size={size}") as response:
@@ -113,7 +88,7 @@ async def _transfers(url: str, pid: int, size: int) -> list[Transfer]:
             await transfer(client, url, WARMUP_BYTES)
             before = rss_bytes(pid)
             started_at = time.monotonic()
-            with PeakRss(pid) as rss:
+            with PeakRss(functools.partial(rss_bytes, pid), interval=SAMPLE_INTERVAL) as rss:
                 await transfer(client, url, size)
             seconds = time.monotonic() - started_at
             transfers.append(Transfer(direction, size, seconds, before, rss.peak, rss.samples))

@@ -70,7 +70,7 @@ class RunningVariant:
 
 @dataclass(frozen=True)
 class Variant:
-    key: str  # the letter in the issue, as the tables show it
+    key: str  # the variant's letter, as the tables show it
     title: str
     start: Callable[[Environment], contextlib.AbstractContextManager[RunningVariant]]
     flood: bool = False  # sent as one client far over its limit (answered 429), not as 10,000 within theirs
