@@ -41,7 +41,7 @@ from gateway.limiter.check_batches import CheckBatches
 from gateway.limiter.redis_cluster import RedisCluster, key_slot
 from gateway.limiter.redis_connection import RedisAddress, RedisConnection, RedisReplyError, Waiter, parse_redis_url
 from gateway.limiter import bucket, quota
-from gateway.limiter.memory_store import lease_reading, reading, spec_of
+from gateway.limiter.leases import lease_reading
 from gateway.limiter.store import (
     BucketReading,
     LeaseCheck,
@@ -257,7 +257,7 @@ class RedisStore:
             state = None if tokens is None or stamp is None else bucket.BucketState(float(tokens), float(stamp) / 1000)
         except (TypeError, ValueError) as exc:
             raise StoreError(f"unexpected bucket read reply {reply!r}") from exc
-        return reading(key, limit, state, now_ms / 1000)
+        return bucket.reading(key, limit, state, now_ms / 1000)
 
     async def delete(self, limit: Limit, identity: str) -> bool:
         key = await self._admin_key(limit, identity)
@@ -458,13 +458,13 @@ class RedisStore:
     def _script_args(self, check: LimitCheck) -> tuple[bytes, bytes, bytes, bytes, bytes]:
         """The kind and four values of one limit, formatted once per limit, cost and max_delay: a bucket's
         capacity, rate per second, cost and debt (max_delay × rate), or a quota's limit, period,
-        cost and offset in ms (`gateway.limiter.memory_store.spec_of`). Keyed by the limit object,
+        cost and offset in ms (`gateway.limiter.bucket.spec_of`). Keyed by the limit object,
         so a limit a reload replaced is formatted anew."""
         limit = check.limit
         key = (id(limit), check.cost, check.max_delay)
         cached = self._args_cache.get(key)
         if cached is None or cached[0] is not limit:
-            spec = spec_of(check)
+            spec = bucket.spec_of(check)
             if isinstance(spec, quota.QuotaSpec):
                 kind, values = b"q", (spec.limit, spec.period_ms, spec.cost, spec.offset_ms)
             else:
