@@ -52,7 +52,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway import __version__
 from gateway.admin_hosts import host_guard
 from gateway.config.body_template import BodyTemplate
-from gateway.config.loader import redacted_url
+from gateway.config.redaction import redacted_url
 from gateway.config.model import (
     Allowlist,
     ConcurrencyLimit,

@@ -21,6 +21,7 @@ import yaml
 
 from gateway.config import jwt_keys, safe_yaml, tls
 from gateway.config.body_template import parse_body_template, parse_content_type
+from gateway.config.redaction import redacted_url
 from gateway.config.regex import Regex
 from gateway.config.model import (
     DEFAULT_BODY_CONTENT_TYPE,
@@ -69,7 +70,6 @@ from gateway.config.units import (
     parse_rate,
     parse_size,
     parse_time_of_day,
-    redacted_url,
     split_hosts,
 )
 

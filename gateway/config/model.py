@@ -14,7 +14,8 @@ from typing import Any
 
 from gateway.config.body_template import BodyTemplate
 from gateway.config.regex import Regex
-from gateway.config.units import Address, Rate, redacted_url
+from gateway.config.redaction import redacted_url
+from gateway.config.units import Address, Rate
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 

@@ -33,7 +33,7 @@ from importlib import resources
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from gateway.config.loader import redacted_url
+from gateway.config.redaction import redacted_url
 from gateway.config.model import ConcurrencyLimit, Limit, StoreConfig
 from gateway.limiter.keys import COMPACT_IDENTITY, bucket_key, identity_digest, lease_key
 from gateway.limiter import redis_cluster, redis_sentinel
@@ -101,15 +101,10 @@ def load_script(name: str = SCRIPT_NAME) -> str:
     return scripts.joinpath(name).read_text(encoding="utf-8")
 
 
-def redacted(url: str) -> str:
-    """The URL without its password, for logs and /readyz (see gateway.config.loader.redacted_url)."""
-    return redacted_url(url)
-
-
 class RedisStore:
     def __init__(self, config: StoreConfig) -> None:
         self._config = config
-        self.description = f"redis {redacted(config.url)}"
+        self.description = f"redis {redacted_url(config.url)}"
         self._script = load_script().encode()
         self._sha = hashlib.sha1(self._script).hexdigest().encode()
         self._refund_script = load_script(REFUND_SCRIPT_NAME).encode()
