@@ -15,7 +15,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
-from urllib.parse import SplitResult, parse_qsl, urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import yaml
 
@@ -60,9 +60,8 @@ from gateway.config.model import (
     UpstreamTimeout,
     ValueMatch,
 )
+from gateway.config.store_url import SingleTarget, parse_store_url
 from gateway.config.units import (
-    REDIS_PORT,
-    SENTINEL_PORT,
     Address,
     Rate,
     parse_address,
@@ -70,7 +69,6 @@ from gateway.config.units import (
     parse_rate,
     parse_size,
     parse_time_of_day,
-    split_hosts,
 )
 
 # Envoy's rate-limit filter defaults to 20 ms; 10 ms leaves a same-zone Redis
@@ -133,7 +131,6 @@ DEFAULT_LOCAL_STORE_MEMORY = "32MiB"
 MAX_MAX_DELAY = 60.0
 # A quota's window lengths; a month's is nominal (its windows follow the calendar).
 QUOTA_PERIODS = {"hour": 3600.0, "day": 86400.0, "week": 7 * 86400.0, "month": 30 * 86400.0}
-STORE_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
 IDENTITY_KINDS = ("header", "query", "cookie", "jwt")
 # Sources that name no client but the request: the matched route's configured path (bounded
 # by the config, unlike the request path, which a client could vary to mint buckets), the
@@ -578,54 +575,7 @@ def _store(doc: Any, r: _Reader) -> StoreConfig:
             "store.max_pending bounds the commands waiting on it",
         )
     url = r.string(spec["url"], "store.url")
-    shown = redacted_url(url)  # every message below shows this, never the password
-    userinfo = url.partition("://")[2].rpartition("@")[0]
-    if any(c in userinfo for c in "/?#"):
-        r.fail(
-            "store.url",
-            f"the user name or password holds /, ? or #, which end the host part of a URL; "
-            f"percent-encode them (%2F, %3F, %23), got {shown!r}",
-        )
-    parts = _split_url(url, "store.url", r, shown=shown)
-    if parts.scheme not in STORE_SCHEMES:
-        r.fail("store.url", f"expected a URL with scheme {', '.join(s + '://' for s in STORE_SCHEMES)}, got {shown!r}")
-    if parts.scheme == "unix":
-        if not parts.path:
-            r.fail("store.url", f"expected unix:///path/to/redis.sock, got {shown!r}")
-        allowed_query = {"db"}
-    elif parts.scheme == "redis+sentinel":
-        example = "redis+sentinel://host:26379,host:26380/mymaster"
-        try:
-            split_hosts(parts.netloc, default_port=SENTINEL_PORT)
-        except ValueError as exc:
-            r.fail("store.url", f"expected sentinels as in {example}: {exc}")
-        service = parts.path.strip("/")
-        if not service or "/" in service:
-            r.fail("store.url", f"expected the monitored master's name as the path, as in {example}, got {parts.path!r}")
-        allowed_query = {"db"}
-    elif parts.scheme == "redis+cluster":
-        example = "redis+cluster://host:7000,host:7001"
-        try:
-            split_hosts(parts.netloc, default_port=REDIS_PORT)
-        except ValueError as exc:
-            r.fail("store.url", f"expected seed nodes as in {example}: {exc}")
-        if parts.path.strip("/"):
-            r.fail("store.url", f"a Redis Cluster has only database 0; expected no path, as in {example}, got {parts.path!r}")
-        allowed_query = set()
-    else:
-        if not parts.hostname:
-            r.fail("store.url", f"expected a host, as in redis://127.0.0.1:6379/0, got {shown!r}")
-        try:
-            _ = parts.port  # raises ValueError on a bad port
-        except ValueError:
-            r.fail("store.url", f"bad port in {shown!r}")
-        db = parts.path.lstrip("/")
-        if db and not db.isdigit():
-            r.fail("store.url", f"expected a database number as the path, as in /0, got {parts.path!r}")
-        allowed_query = set()
-    for option, _ in parse_qsl(parts.query, keep_blank_values=True):
-        if option not in allowed_query:
-            r.fail("store.url", f"URL option {option!r} is not supported; set it as a key under `store`")
+    target = r.parsed(parse_store_url, url, "store.url")
     prefix = spec.get("prefix", DEFAULT_STORE_PREFIX)
     if not isinstance(prefix, str):
         r.fail("store.prefix", f"expected a string, got {_type_name(prefix)}")
@@ -635,12 +585,13 @@ def _store(doc: Any, r: _Reader) -> StoreConfig:
     ca_file = spec.get("tls_ca_file")
     if ca_file is not None:
         ca_file = r.string(ca_file, "store.tls_ca_file")
-        if parts.scheme != "rediss":
+        if not (isinstance(target, SingleTarget) and target.tls):
             r.fail("store.tls_ca_file", "only applies to a rediss:// (TLS) store URL")
         if not os.path.isfile(ca_file):
             r.fail("store.tls_ca_file", f"no such file: {ca_file!r}")
     return StoreConfig(
         url=url,
+        target=target,
         timeout=r.parsed(parse_duration, spec.get("timeout", DEFAULT_STORE_TIMEOUT), "store.timeout"),
         prefix=prefix,
         local_divisor=r.integer(spec.get("local_divisor", 1), "store.local_divisor", minimum=1),

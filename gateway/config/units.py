@@ -153,30 +153,3 @@ def parse_address(value: object) -> Address:
         raise ValueError(f"port must be 0..65535, got {port}")
     return Address(host=host, port=port)
 
-
-# The default ports of a Redis node and of a Sentinel, for a host in a URL that names none.
-REDIS_PORT = 6379
-SENTINEL_PORT = 26379
-
-
-def split_hosts(netloc: str, *, default_port: int) -> list[tuple[str, int]]:
-    """`h1:26379,[::1]:26380` (any user info removed) as (host, port) pairs, for the
-    several nodes of a Sentinel or Cluster store URL; raises ValueError."""
-    return [_host_port(item.strip(), default_port) for item in netloc.rpartition("@")[2].split(",")]
-
-
-def _host_port(item: str, default_port: int) -> tuple[str, int]:
-    if item.startswith("["):
-        host, _, rest = item[1:].partition("]")
-        port = rest.removeprefix(":")
-    else:
-        host, _, port = item.partition(":")
-    if not host:
-        raise ValueError(f"no host in {item!r}")
-    if port and not port.isdigit():
-        raise ValueError(f"bad port in {item!r}")
-    number = int(port) if port else default_port
-    if not 0 < number < 65536:
-        raise ValueError(f"bad port in {item!r}")
-    return host, number
-

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from gateway.config.units import REDIS_PORT, split_hosts
+from gateway.config.store_url import REDIS_PORT, split_hosts
 from gateway.limiter.redis_connection import RedisAddress, RedisConnection, RedisReplyError
 from gateway.limiter.store import StoreError
 

@@ -18,7 +18,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
 
-from gateway.config.units import SENTINEL_PORT, split_hosts
+from gateway.config.store_url import SENTINEL_PORT, split_hosts
 from gateway.limiter.redis_connection import RedisAddress
 from gateway.limiter.store import StoreError
 
