@@ -96,7 +96,7 @@ class RedisStore:
         self._redis = nodes_for(config, connect_timeout=max(config.timeout * 10, SETUP_TIMEOUT_FLOOR))
         self._cluster = self._redis if isinstance(self._redis, RedisCluster) else None
         self.refunds = self._cluster is not None
-        self._secret = FleetSecret(
+        self._fleet_secret = FleetSecret(
             self._redis,
             key_secret=config.key_secret,
             prefix=config.prefix,
@@ -105,9 +105,14 @@ class RedisStore:
         )
         self._batches = CheckBatches(self._send_checks, self._redis.connection_for, self._recover_checks)
 
+    @property
+    def _secret(self) -> bytes | None:
+        # The secret hashed with now: tests/test_redis_failures.py compares it with Redis's.
+        return self._fleet_secret.value
+
     async def start(self) -> None:
         await self._redis.connect()
-        await self._secret.ensure()
+        await self._fleet_secret.ensure()
         for script in self._scripts:
             await self._redis.on_every_master("SCRIPT", "LOAD", script.text, timeout=self._setup_timeout)
 
@@ -115,7 +120,7 @@ class RedisStore:
         await self._redis.ping()
 
     async def close(self) -> None:
-        self._secret.close()
+        self._fleet_secret.close()
         await self._redis.close()  # fails an exchange in flight with StoreError
 
     async def check(self, checks: Sequence[LimitCheck]) -> StoreDecision:
@@ -126,13 +131,13 @@ class RedisStore:
             # One Redis: the common case, with no slot to route by.
             return _decision(await self._batches.add(0, keys, self._args(checks)))
 
-        return await self._secret.run(check_with)
+        return await self._fleet_secret.run(check_with)
 
     async def acquire(self, lease: LeaseCheck) -> LeaseDecision:
         key = await self._lease_key(lease)
         args = (lease.lease.encode(), *self._lease_args(lease.limit))
         reply = await self._scripts.concurrency.call(
-            self._redis, key_slot(key), (key,), args, before_eval=self._secret.after_noscript
+            self._redis, key_slot(key), (key,), args, before_eval=self._fleet_secret.after_noscript
         )
         try:
             admitted, in_flight = reply
@@ -161,7 +166,7 @@ class RedisStore:
         return bool(live)
 
     async def _lease_key(self, lease: LeaseCheck) -> str:
-        secret = await self._secret.ensure()
+        secret = await self._fleet_secret.ensure()
         return lease_key(self._config.prefix, lease.limit.name, identity_digest(secret, lease.identity))
 
     async def lease(self, check: LimitCheck, want: int) -> LeaseGrant:
@@ -173,10 +178,10 @@ class RedisStore:
         async def lease_with(secret: bytes) -> object:
             (key,) = self._keys((check,), secret)
             return await self._scripts.token_lease.call(
-                self._redis, key_slot(key), (key,), args, before_eval=self._secret.after_noscript
+                self._redis, key_slot(key), (key,), args, before_eval=self._fleet_secret.after_noscript
             )
 
-        reply = await self._secret.run(lease_with)
+        reply = await self._fleet_secret.run(lease_with)
         try:
             allowed, granted, remaining, retry_ms = reply  # type: ignore[misc]
             retry_ms = int(retry_ms)
@@ -191,7 +196,7 @@ class RedisStore:
 
     async def refund(self, check: LimitCheck, tokens: int) -> None:
         """One bucket, so one slot: `lua/token_refund.lua`, as for a check denied in a later slot."""
-        secret = await self._secret.ensure()
+        secret = await self._fleet_secret.ensure()
         _, capacity, *_ = self._script_args(check)
         (key,) = self._keys((check,), secret)
         await self._scripts.refund.call(self._redis, key_slot(key), (key,), (capacity, str(tokens).encode()))
@@ -212,7 +217,7 @@ class RedisStore:
         return bool(await self._redis.execute(key_slot(key), b"DEL", key, timeout=self._setup_timeout))
 
     async def _admin_key(self, limit: Limit, identity: str) -> str:
-        secret = await self._secret.ensure()
+        secret = await self._fleet_secret.ensure()
         return self._keys([LimitCheck(limit=limit, identity=identity, cost=0)], secret)[0]
 
     async def _check_slots(self, checks: Sequence[LimitCheck], keys: list[str]) -> StoreDecision:
@@ -283,7 +288,7 @@ class RedisStore:
         if not is_noscript(error):
             return None
         return self._scripts.check.eval_after(
-            error, self._redis, slot, keys, args, weight=checks, before_eval=self._secret.after_noscript
+            error, self._redis, slot, keys, args, weight=checks, before_eval=self._fleet_secret.after_noscript
         )
 
     def _keys(self, checks: Sequence[LimitCheck], secret: bytes) -> list[str]:
