@@ -16,7 +16,7 @@ from gateway.config.model import GatewayConfig
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.store import StoreError, refusal
 from gateway.limiter.memory_store import MemoryStore
-from gateway.limiter.store_factory import make_store
+from gateway.stores import make_store
 from gateway.limiter.worker_resets import WorkerResets
 from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics, breaker_gauge_setter
 from gateway.proxy.handler import ProxyHandler

@@ -149,7 +149,7 @@ def _fail(message: str) -> int:
 def describe(config: GatewayConfig) -> str:
     """What `gateway check` prints: the routes and limits as the gateway understood them."""
     from gateway.config.model import ResponseStyle
-    from gateway.config.units import redacted_url
+    from gateway.config.redaction import redacted_url
     from gateway.proxy.routing import shadowed
 
     from gateway.limiter.memory_store import ENTRY_BYTES
@@ -157,9 +157,7 @@ def describe(config: GatewayConfig) -> str:
     held = f"{config.local_store_memory / 1024 / 1024:g} MiB, about {config.local_store_memory // ENTRY_BYTES:,} buckets"
     store = f"in-process (one process only), {held}"
     if config.store:
-        from gateway.limiter.redis_store import redacted
-
-        store = f"{redacted(config.store.url)} timeout={config.store.timeout * 1000:g}ms prefix={config.store.prefix!r}"
+        store = f"{redacted_url(config.store.url)} timeout={config.store.timeout * 1000:g}ms prefix={config.store.prefix!r}"
         if config.store.local_divisor != 1:
             store += f" local_divisor={config.store.local_divisor}"
     trusted = ", ".join(str(network) for network in config.trusted_proxies) or "none (X-Forwarded-For is ignored)"

@@ -9,7 +9,7 @@ hook, flag or file for it; the script's SHA is computed from the text, so the
 store sends and caches the instrumented text like any other.
 """
 
-from gateway.limiter import redis_store
+from gateway.redis import scripts as redis_store
 from tests.replay_script import instrumented
 
 _shipped = redis_store.load_script

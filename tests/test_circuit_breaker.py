@@ -20,7 +20,7 @@ from gateway.limiter.circuit_breaker import (
     CircuitBreaker,
 )
 from gateway.limiter.limiter import Limiter
-from gateway.limiter.redis_store import RedisStore
+from gateway.redis.store import RedisStore
 from gateway.limiter.store import LimitCheck
 from gateway.testing import running_gateway
 from tests.processes import RedisServer, eventually

@@ -9,8 +9,8 @@ import pytest
 from gateway.config import ConfigError, GatewayConfig, load_config, parse_config
 from gateway.config.model import FailurePolicy, IdentitySource, PathForm, ValueMatch
 from gateway.config.regex import Regex
-from gateway.limiter.redis_cluster import parse_cluster_url
-from gateway.limiter.redis_sentinel import parse_sentinel_url
+from gateway.config.store_url import parse_store_url as parse_cluster_url
+from gateway.config.store_url import parse_store_url as parse_sentinel_url
 from tests.examples import ALIAS_BOMBS, ISSUE_EXAMPLE
 from tests.helpers import SOURCE, error_of
 

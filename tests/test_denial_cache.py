@@ -21,7 +21,8 @@ from gateway.limiter.client_waves import ClientWaves, Wave
 from gateway.limiter.denial_cache import DenialCache, could_pass_in, held_until
 from gateway.limiter.keys import bucket_key, identity_digest
 from gateway.limiter.limiter import Limiter
-from gateway.limiter.redis_store import SECRET_KEY_SUFFIX, RedisStore
+from gateway.redis.secret import SECRET_KEY_SUFFIX
+from gateway.redis.store import RedisStore
 from gateway.limiter.store import LimitCheck, StoreError
 from gateway.testing import config_from_yaml
 

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
-from gateway.limiter.redis_connection import STALE_REPLY_SECONDS
+from gateway.redis.connection import STALE_REPLY_SECONDS
 from tests.chaos_proxy import ChaosProxy
 from tests.processes import GatewayProcess, RedisServer, eventually
 from tests.scrape import scrape, settled_decisions

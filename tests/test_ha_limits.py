@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from gateway.limiter.keys import identity_digest, lease_key
-from gateway.limiter.redis_cluster import key_slot
+from gateway.redis.cluster import key_slot
 from tests.chaos_proxy import ChaosProxy
 from tests.processes import GatewayProcess, RedisCluster, RedisServer, eventually, gateway_fleet
 from tests.scrape import decisions, scrape, settled_decisions, value

@@ -13,7 +13,7 @@ from gateway.config.model import StoreConfig
 from gateway.limiter import leases
 from gateway.limiter.concurrency import Concurrency
 from gateway.limiter.memory_store import MemoryStore
-from gateway.limiter.redis_store import RedisStore
+from gateway.redis.store import RedisStore
 from gateway.limiter.store import LeaseCheck, LeaseDecision, Store
 from gateway.testing import config_from_yaml
 from tests.processes import RedisCluster, RedisServer, eventually, free_port

@@ -46,7 +46,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
 from gateway.limiter import bucket
-from gateway.limiter.redis_store import load_script
+from gateway.redis.scripts import load_script
 from tests.lua_bridge import FakeRedis, LuaScript, RedisScriptError
 from tests.model_check import TOLERANCE, agree, within
 from tests.processes import RedisServer

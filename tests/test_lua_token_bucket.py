@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from gateway.limiter import bucket
-from gateway.limiter.redis_store import load_script
+from gateway.redis.scripts import load_script
 from tests.processes import RedisServer, wait_until
 
 # The longest a call takes to reach Redis on a loaded test machine; refill over

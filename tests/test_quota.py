@@ -17,7 +17,7 @@ import pytest
 
 from gateway.limiter import bucket, quota
 from gateway.limiter.quota import DAY_MS, QuotaSpec, QuotaState
-from gateway.limiter.redis_store import load_script
+from gateway.redis.scripts import load_script
 from tests.lua_bridge import FakeRedis, LuaScript
 from tests.processes import RedisServer
 

@@ -22,13 +22,13 @@ import hiredis
 import pytest
 import redis
 
-from gateway.limiter import redis_connection
-from gateway.limiter.redis_connection import (
+from gateway.redis import connection as redis_connection
+from gateway.redis.connection import (
     DEFAULT_MAX_BATCH,
     RedisConnection,
     RedisReplyError,
-    parse_redis_url,
 )
+from gateway.redis.connection import address_of_url as parse_redis_url
 from gateway.limiter.store import StoreError
 from tests.processes import RedisServer, eventually
 

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from gateway.config.model import Limit, StoreConfig
-from gateway.limiter.redis_store import RedisStore
+from gateway.redis.store import RedisStore
 from gateway.limiter.store import LimitCheck, StoreError
 from gateway.testing import config_from_yaml, running_gateway
 from tests.processes import RedisServer
@@ -232,7 +232,7 @@ async def test_gateways_agree_again_when_a_new_gateway_reaches_an_emptied_redis_
     """The other order: after an empty restart a new gateway starts first, picks a new
     secret and loads the script, so the old gateway never sees NOSCRIPT. It re-reads the
     secret every SECRET_REREAD_SECONDS (shortened here) and then shares buckets again."""
-    from gateway.limiter import redis_store
+    from gateway.redis import secret as redis_store
 
     config = gateway_yaml(redis_server.url, upstream, timeout="2s")
     async with running_gateway(config) as before, aiohttp.ClientSession() as http:

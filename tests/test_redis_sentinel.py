@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from gateway.limiter.circuit_breaker import BREAKER_COOLDOWN
-from gateway.limiter.redis_connection import RECONNECT_BACKOFF_MAX
+from gateway.redis.connection import RECONNECT_BACKOFF_MAX
 from gateway.testing import running_gateway
 from tests.processes import SentinelServer, eventually, wait_until
 from tests.test_redis_failures import gateway_yaml, get

@@ -24,7 +24,7 @@ import trustme
 
 from gateway.config.model import StoreConfig
 from gateway.limiter.keys import identity_digest
-from gateway.limiter.redis_store import ARGS_CACHE_ENTRIES, RedisStore
+from gateway.redis.store import ARGS_CACHE_ENTRIES, RedisStore
 from gateway.limiter.store import LimitCheck
 from gateway.testing import config_from_yaml, running_gateway
 from tests.processes import RedisServer, eventually, free_port, wait_until

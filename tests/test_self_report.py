@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from gateway.limiter.redis_store import redacted
+from gateway.config.redaction import redacted_url as redacted
 from gateway.testing import running_gateway
 from tests.processes import GatewayProcess, free_port
 from tests.scrape import scrape, value

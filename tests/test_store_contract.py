@@ -16,7 +16,7 @@ import pytest
 
 from gateway.config.model import StoreConfig
 from gateway.limiter.memory_store import MemoryStore
-from gateway.limiter.redis_store import RedisStore
+from gateway.redis.store import RedisStore
 from gateway.limiter.store import LimitCheck, Store, StoreDecision
 from gateway.testing import config_from_yaml
 from tests.processes import RedisServer

@@ -24,7 +24,8 @@ from gateway.limiter import bucket
 from gateway.limiter.token_leases import Leases
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.outcomes import ALLOW, DENY, SKIPPED
-from gateway.limiter.redis_store import TOKEN_LEASE_SCRIPT_NAME, RedisStore, load_script
+from gateway.redis.scripts import TOKEN_LEASE_SCRIPT_NAME, load_script
+from gateway.redis.store import RedisStore
 from gateway.limiter.store import LimitCheck
 from gateway.testing import config_from_yaml
 from tests.chaos_proxy import ChaosProxy

@@ -32,7 +32,7 @@ PAGE_FILES = ("index.html", "admin.js", "admin.css")
 PROBE = """
 import importlib.resources, json, sys
 import gateway
-from gateway.limiter.redis_store import load_script
+from gateway.redis.scripts import load_script
 from gateway.admin.page import page_file
 print(json.dumps({
     "page": {name: page_file(name).decode("utf-8") for name in ("index.html", "admin.js", "admin.css")},
@@ -108,7 +108,7 @@ def test_a_source_checkout_reads_its_own_lua_folder(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), paths["purelib"], paths["platlib"]])}
     probe = (
         "import json, gateway\n"
-        "from gateway.limiter import redis_store as s\n"
+        "from gateway.redis import scripts as s\n"
         "names = (s.SCRIPT_NAME, s.REFUND_SCRIPT_NAME, s.CONCURRENCY_SCRIPT_NAME, s.TOKEN_LEASE_SCRIPT_NAME)\n"
         "print(json.dumps({'gateway': gateway.__file__, 'scripts': {n: s.load_script(n) for n in names}}))\n"
     )

@@ -25,7 +25,8 @@ from gateway.config.model import (
     Tiers,
 )
 from gateway.config.regex import Regex
-from gateway.config.units import Address, Rate, redacted_url
+from gateway.config.redaction import redacted_url
+from gateway.config.units import Address, Rate
 
 REDACTED = "***"
 

@@ -21,7 +21,7 @@ from prometheus_client.metrics_core import Metric
 
 from gateway import __version__
 from gateway.config.model import GatewayConfig, Route, UpstreamPool
-from gateway.config.units import redacted_url
+from gateway.config.redaction import redacted_url
 from gateway.metrics import CounterValue, GaugeValue, Metrics, PlainMetric
 
 # A metric's series: each one's labels and value.

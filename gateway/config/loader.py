@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 import yaml
 
@@ -40,15 +39,8 @@ from gateway.config.settings import (
     _listen,
     _path_normalization,
 )
-from gateway.config.units import (
-    REDIS_PORT,
-    SENTINEL_PORT,
-    parse_address,
-    parse_duration,
-    parse_size,
-    redacted_url,
-    split_hosts,
-)
+from gateway.config.store_url import SingleTarget, parse_store_url
+from gateway.config.units import parse_address, parse_duration, parse_size
 from gateway.config.upstreams import _SharedTargets
 
 # Envoy's rate-limit filter defaults to 20 ms; 10 ms leaves a same-zone Redis
@@ -83,7 +75,6 @@ DEFAULT_UPSTREAM_CONNECTIONS = 1000
 # go straight through.
 DEFAULT_MAX_DELAYED = 256
 DEFAULT_LOCAL_STORE_MEMORY = "32MiB"
-STORE_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
 
 
 def load_config(path: str) -> GatewayConfig:
@@ -251,54 +242,7 @@ def _store(doc: Any, r: _Reader) -> StoreConfig:
             "store.max_pending bounds the commands waiting on it",
         )
     url = r.string(spec["url"], "store.url")
-    shown = redacted_url(url)  # every message below shows this, never the password
-    userinfo = url.partition("://")[2].rpartition("@")[0]
-    if any(c in userinfo for c in "/?#"):
-        r.fail(
-            "store.url",
-            f"the user name or password holds /, ? or #, which end the host part of a URL; "
-            f"percent-encode them (%2F, %3F, %23), got {shown!r}",
-        )
-    parts = _split_url(url, "store.url", r, shown=shown)
-    if parts.scheme not in STORE_SCHEMES:
-        r.fail("store.url", f"expected a URL with scheme {', '.join(s + '://' for s in STORE_SCHEMES)}, got {shown!r}")
-    if parts.scheme == "unix":
-        if not parts.path:
-            r.fail("store.url", f"expected unix:///path/to/redis.sock, got {shown!r}")
-        allowed_query = {"db"}
-    elif parts.scheme == "redis+sentinel":
-        example = "redis+sentinel://host:26379,host:26380/mymaster"
-        try:
-            split_hosts(parts.netloc, default_port=SENTINEL_PORT)
-        except ValueError as exc:
-            r.fail("store.url", f"expected sentinels as in {example}: {exc}")
-        service = parts.path.strip("/")
-        if not service or "/" in service:
-            r.fail("store.url", f"expected the monitored master's name as the path, as in {example}, got {parts.path!r}")
-        allowed_query = {"db"}
-    elif parts.scheme == "redis+cluster":
-        example = "redis+cluster://host:7000,host:7001"
-        try:
-            split_hosts(parts.netloc, default_port=REDIS_PORT)
-        except ValueError as exc:
-            r.fail("store.url", f"expected seed nodes as in {example}: {exc}")
-        if parts.path.strip("/"):
-            r.fail("store.url", f"a Redis Cluster has only database 0; expected no path, as in {example}, got {parts.path!r}")
-        allowed_query = set()
-    else:
-        if not parts.hostname:
-            r.fail("store.url", f"expected a host, as in redis://127.0.0.1:6379/0, got {shown!r}")
-        try:
-            _ = parts.port  # raises ValueError on a bad port
-        except ValueError:
-            r.fail("store.url", f"bad port in {shown!r}")
-        db = parts.path.lstrip("/")
-        if db and not db.isdigit():
-            r.fail("store.url", f"expected a database number as the path, as in /0, got {parts.path!r}")
-        allowed_query = set()
-    for option, _ in parse_qsl(parts.query, keep_blank_values=True):
-        if option not in allowed_query:
-            r.fail("store.url", f"URL option {option!r} is not supported; set it as a key under `store`")
+    target = r.parsed(parse_store_url, url, "store.url")
     prefix = spec.get("prefix", DEFAULT_STORE_PREFIX)
     if not isinstance(prefix, str):
         r.fail("store.prefix", f"expected a string, got {_type_name(prefix)}")
@@ -308,12 +252,13 @@ def _store(doc: Any, r: _Reader) -> StoreConfig:
     ca_file = spec.get("tls_ca_file")
     if ca_file is not None:
         ca_file = r.string(ca_file, "store.tls_ca_file")
-        if parts.scheme != "rediss":
+        if not (isinstance(target, SingleTarget) and target.tls):
             r.fail("store.tls_ca_file", "only applies to a rediss:// (TLS) store URL")
         if not os.path.isfile(ca_file):
             r.fail("store.tls_ca_file", f"no such file: {ca_file!r}")
     return StoreConfig(
         url=url,
+        target=target,
         timeout=r.parsed(parse_duration, spec.get("timeout", DEFAULT_STORE_TIMEOUT), "store.timeout"),
         prefix=prefix,
         local_divisor=r.integer(spec.get("local_divisor", 1), "store.local_divisor", minimum=1),
@@ -323,11 +268,3 @@ def _store(doc: Any, r: _Reader) -> StoreConfig:
         required=r.boolean(spec.get("required", False), "store.required"),
     )
 
-
-def _split_url(url: str, path: str, r: _Reader, *, shown: str | None = None) -> SplitResult:
-    """urlsplit, with its ValueError (an unclosed `[`, or a bracketed host that is no IPv6
-    address) made a config error."""
-    try:
-        return urlsplit(url)
-    except ValueError as exc:
-        r.fail(path, f"not a URL ({exc}): {shown or url!r}")

@@ -9,12 +9,14 @@ from __future__ import annotations
 import enum
 import ipaddress
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from gateway.config.body_template import BodyTemplate
 from gateway.config.regex import Regex
-from gateway.config.units import Address, Rate, redacted_url
+from gateway.config.redaction import redacted_url
+from gateway.config.store_url import StoreTarget, parse_store_url
+from gateway.config.units import Address, Rate
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 # Identity sources every request has: entries after one of them in a `key` list are never read.
@@ -392,6 +394,13 @@ class StoreConfig:
     key_secret: str | None
     tls_ca_file: str | None = None  # CA bundle to verify a rediss:// server; default: the system's
     required: bool = False  # refuse to start while the store is unreachable or refuses us
+    # `url` parsed, for the store to connect by. An InitVar, not a field: the admin API's
+    # config view shows every field, and the target holds the password in the clear.
+    target: InitVar[StoreTarget | None] = None
+
+    def __post_init__(self, target: StoreTarget | None) -> None:
+        # The loader passes the target it validated; a StoreConfig built in code is parsed here.
+        object.__setattr__(self, "target", target if target is not None else parse_store_url(self.url))
 
 
 @dataclass(frozen=True, kw_only=True)

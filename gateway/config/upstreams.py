@@ -21,7 +21,8 @@ from gateway.config.model import (
     UpstreamPool,
 )
 from gateway.config.reader import _choice, _Reader, _split_url
-from gateway.config.units import parse_duration, redacted_url
+from gateway.config.redaction import redacted_url
+from gateway.config.units import parse_duration
 
 # Upstream pools. Passive ejection takes Envoy's outlier-detection defaults (5 consecutive
 # errors, 30 s out); the active check defaults are nginx Plus's interval with Envoy-like

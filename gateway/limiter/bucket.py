@@ -27,7 +27,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gateway.config.model import Limit
 from gateway.limiter import quota
+from gateway.limiter.store import BucketReading, LimitCheck
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,3 +169,20 @@ def seconds_until_affordable(state: BucketState, spec: BucketSpec, now: float) -
 def seconds_until_full(state: BucketState, spec: BucketSpec, now: float) -> float:
     """When a bucket left alone would be full again: the moment it may be forgotten."""
     return max(0.0, state.stamp - now) + (spec.capacity - state.tokens) / spec.rate
+
+
+def spec_of(check: LimitCheck) -> Spec:
+    """The model's spec of one check: a quota's windows, or a bucket that may owe
+    `max_delay` × rate tokens when the check may wait."""
+    limit = check.limit
+    if limit.quota is not None:
+        return quota.spec_of(limit.quota.per, limit.quota.reset, limit.quota.limit, check.cost)
+    rate = limit.rate.per_second
+    return BucketSpec(capacity=limit.burst, rate=rate, cost=check.cost, debt=check.max_delay * rate)
+
+
+def reading(key: str, limit: Limit, state: BucketState | None, now: float) -> BucketReading:
+    """A stored bucket state (None: none held) as refilled up to `now`."""
+    spec = BucketSpec(capacity=limit.burst, rate=limit.rate.per_second, cost=0)
+    current = refill(state, spec, now)
+    return BucketReading(key=key, held=state is not None, tokens=current.tokens, full_in=seconds_until_full(current, spec, now))

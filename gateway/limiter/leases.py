@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gateway.limiter.store import LeaseReading
+
 
 @dataclass(frozen=True, slots=True)
 class LeaseOutcome:
@@ -44,3 +46,14 @@ def release(leases: Mapping[str, float], lease: str, now: float) -> dict[str, fl
     current = live(leases, now)
     current.pop(lease, None)
     return current
+
+
+def lease_reading(key: str, held: Mapping[str, float], now: float) -> LeaseReading:
+    """An identity's leases (lease id -> expiry) as live at `now`, by the model's rule (`live`)."""
+    expiries = sorted(live(held, now).values())
+    return LeaseReading(
+        key=key,
+        in_flight=len(expiries),
+        next_expiry_in=expiries[0] - now if expiries else None,
+        last_expiry_in=expiries[-1] - now if expiries else None,
+    )

@@ -26,7 +26,7 @@ import heapq
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 from gateway.limiter import bucket, leases, quota
 from gateway.limiter.keys import bucket_key, identity_digest, lease_key
@@ -112,7 +112,7 @@ class MemoryStore:
 
     async def read_leases(self, limit: ConcurrencyLimit, identity: str) -> LeaseReading:
         digest = identity_digest(self._secret, identity)
-        return lease_reading(lease_key("", limit.name, digest), self._leases.get((limit.name, digest), {}), self._clock())
+        return leases.lease_reading(lease_key("", limit.name, digest), self._leases.get((limit.name, digest), {}), self._clock())
 
     async def delete_leases(self, limit: ConcurrencyLimit, identity: str) -> bool:
         held = self._leases.pop((limit.name, identity_digest(self._secret, identity)), {})
@@ -131,7 +131,7 @@ class MemoryStore:
         now = self._clock()
         self._forget_full(now, at_most=FORGET_PER_CHECK)
         ids = [(c.limit.name, identity_digest(self._secret, c.identity)) for c in checks]
-        specs = [spec_of(c) for c in checks]
+        specs = [bucket.spec_of(c) for c in checks]
         held = [self._buckets.get(i) for i in ids]
         for bucket_id, was_held in zip(ids, held):
             if was_held is not None:  # checked now, so the last to be evicted
@@ -174,7 +174,7 @@ class MemoryStore:
             if held[1] > now:  # its window has not ended
                 return BucketReading(key=key, held=True, tokens=limit.burst - held[0].count, full_in=held[1] - now)
             held = None
-        return reading(key, limit, held[0] if held else None, now)  # type: ignore[arg-type]
+        return bucket.reading(key, limit, held[0] if held else None, now)  # type: ignore[arg-type]
 
     async def delete(self, limit: Limit, identity: str) -> bool:
         return self.delete_now(limit.name, identity)
@@ -237,32 +237,3 @@ class MemoryStore:
             else:  # charged again since: look again when it will be full
                 heapq.heappush(self._expiry, (held[1], bucket_id))
 
-
-def spec_of(check: LimitCheck) -> bucket.Spec:
-    """The model's spec of one check: a quota's windows, or a bucket that may owe
-    `max_delay` × rate tokens when the check may wait."""
-    limit = check.limit
-    if limit.quota is not None:
-        return quota.spec_of(limit.quota.per, limit.quota.reset, limit.quota.limit, check.cost)
-    rate = limit.rate.per_second
-    return bucket.BucketSpec(capacity=limit.burst, rate=rate, cost=check.cost, debt=check.max_delay * rate)
-
-
-def lease_reading(key: str, held: Mapping[str, float], now: float) -> LeaseReading:
-    """An identity's leases (lease id -> expiry) as live at `now`, by the model's rule (`leases.live`)."""
-    expiries = sorted(leases.live(held, now).values())
-    return LeaseReading(
-        key=key,
-        in_flight=len(expiries),
-        next_expiry_in=expiries[0] - now if expiries else None,
-        last_expiry_in=expiries[-1] - now if expiries else None,
-    )
-
-
-def reading(key: str, limit: Limit, state: bucket.BucketState | None, now: float) -> BucketReading:
-    """A stored bucket state (None: none held) as refilled up to `now`."""
-    spec = bucket.BucketSpec(capacity=limit.burst, rate=limit.rate.per_second, cost=0)
-    current = bucket.refill(state, spec, now)
-    return BucketReading(
-        key=key, held=state is not None, tokens=current.tokens, full_in=bucket.seconds_until_full(current, spec, now)
-    )

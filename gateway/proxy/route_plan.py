@@ -27,7 +27,7 @@ from aiohttp import hdrs
 from multidict import CIMultiDict
 
 from gateway.access_log import PROCESS_LOG_SECRET
-from gateway.config.units import redacted_url
+from gateway.config.redaction import redacted_url
 from gateway.config.model import (
     Balance,
     ConcurrencyLimit,

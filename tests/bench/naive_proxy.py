@@ -15,7 +15,7 @@ import redis.asyncio as redis
 import uvloop
 from aiohttp import web
 
-from gateway.limiter.redis_store import load_script
+from gateway.redis.scripts import load_script
 
 # Bucket capacity, refill per second and cost: far more than any client sends in a run.
 ALL_ALLOWED_ARGS = ("b", "1000000.0", "1000000.0", "1.0", "0.0")

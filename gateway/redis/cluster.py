@@ -1,4 +1,4 @@
-"""Redis Cluster: `redis+cluster://` store URLs, the slot map, one pipelined connection per master.
+"""Redis Cluster: the slot map, and one pipelined connection per master.
 
 `redis+cluster://[user:password@]host:7000,host:7001` names seed nodes. At start
 the store asks a seed for the slot map (CLUSTER SLOTS) and connects to every
@@ -29,42 +29,18 @@ import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
-from gateway.config.units import REDIS_PORT, split_hosts
-from gateway.limiter.redis_connection import RedisAddress, RedisConnection, RedisReplyError
+from gateway.config.store_url import ClusterTarget, Node
 from gateway.limiter.store import StoreError
+from gateway.redis.connection import RedisAddress, RedisConnection, RedisReplyError
 
 log = logging.getLogger(__name__)
 
-SCHEME = "redis+cluster"
 SLOT_COUNT = 16384
 # MOVED then ASK is the most a migration should need; more means a confused cluster.
 MAX_REDIRECTS = 3
 # The slot map is read again at most this often, however many commands fail.
 MIN_REFRESH_INTERVAL = 0.1
-
-Node = tuple[str, int]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ClusterSeeds:
-    nodes: tuple[Node, ...]
-    username: str | None = None
-    password: str | None = None
-
-    def __str__(self) -> str:
-        return "cluster " + ",".join(f"{host}:{port}" for host, port in self.nodes)
-
-
-def parse_cluster_url(url: str) -> ClusterSeeds:
-    """The loader has validated the URL's shape already."""
-    parts = urlsplit(url)
-    return ClusterSeeds(
-        nodes=tuple(split_hosts(parts.netloc, default_port=REDIS_PORT)),
-        username=unquote(parts.username) if parts.username else None,
-        password=unquote(parts.password) if parts.password is not None else None,
-    )
 
 
 def key_slot(key: bytes | str) -> int:
@@ -115,7 +91,7 @@ def parse_redirect(reply: str, default_host: str) -> tuple[int, Node]:
 class RedisCluster:
     """The masters of a Redis Cluster, one pipelined connection each, and the slot map."""
 
-    def __init__(self, seeds: ClusterSeeds, *, timeout: float, connect_timeout: float, max_pending: int) -> None:
+    def __init__(self, seeds: ClusterTarget, *, timeout: float, connect_timeout: float, max_pending: int) -> None:
         self.seeds = seeds
         self.timeout = timeout
         self._connect_timeout = connect_timeout

@@ -1,4 +1,4 @@
-"""Finding the Redis master through Sentinel: `redis+sentinel://` store URLs.
+"""Finding the Redis master through Sentinel, for a `redis+sentinel://` store.
 
 `redis+sentinel://[user:password@]host:26379,host:26380/mymaster?db=0` names the
 sentinels and the monitored master. The password (and user) are the master's;
@@ -13,46 +13,15 @@ does not know the name, is skipped. Every failure becomes `StoreError`.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
 
-from gateway.config.units import SENTINEL_PORT, split_hosts
-from gateway.limiter.redis_connection import RedisAddress
+from gateway.config.store_url import SentinelTarget
 from gateway.limiter.store import StoreError
-
-SCHEME = "redis+sentinel"
-
-
-@dataclass(frozen=True, kw_only=True)
-class SentinelService:
-    sentinels: tuple[tuple[str, int], ...]
-    service: str
-    username: str | None = None
-    password: str | None = None
-    db: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.service} via sentinels {', '.join(f'{h}:{p}' for h, p in self.sentinels)}"
+from gateway.redis.connection import RedisAddress
 
 
-def parse_sentinel_url(url: str) -> SentinelService:
-    """The loader has validated the URL's shape already."""
-    parts = urlsplit(url)
-    userinfo = parts.netloc.rpartition("@")[0]
-    username, _, password = userinfo.partition(":") if userinfo else ("", "", "")
-    db = parse_qs(parts.query).get("db", ["0"])[0]
-    return SentinelService(
-        sentinels=tuple(split_hosts(parts.netloc, default_port=SENTINEL_PORT)),
-        service=unquote(parts.path.strip("/")),
-        username=unquote(username) or None,
-        password=unquote(password) if userinfo and ":" in userinfo else None,
-        db=int(db or 0),
-    )
-
-
-async def master_address(service: SentinelService, *, timeout: float) -> RedisAddress:
+async def master_address(service: SentinelTarget, *, timeout: float) -> RedisAddress:
     """Ask each sentinel in turn where the master is; the first that knows wins."""
     reasons = []
     for host, port in service.sentinels:

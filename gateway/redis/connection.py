@@ -5,7 +5,7 @@ Commands issued in one event-loop iteration are packed by hiredis and sent in
 one write; Redis answers strictly in order, so replies are matched to a FIFO
 of futures. There is no task and no stream reader per command: the cost of a
 command is one `pack_command`, one future, and its share of a write. A caller
-that gathers many checks into one command (`gateway.limiter.check_batches`)
+that gathers many checks into one command (`gateway.redis.check_batches`)
 reserves a place per check as it takes it, and is called back at the start of
 the write (`before_write`) to queue that command into it; `max_pending` counts
 checks, so a command carrying many weighs as many.
@@ -36,10 +36,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
 
+from gateway.config.store_url import REDIS_PORT, SingleTarget, parse_store_url
 from gateway.limiter.store import StoreError, StoreNotConnected
 
 log = logging.getLogger(__name__)
@@ -73,10 +73,10 @@ class RedisReplyError(StoreError):
 
 @dataclass(frozen=True, kw_only=True)
 class RedisAddress:
-    """Where a Redis node is and how to log in: parsed once from `store.url`."""
+    """Where a Redis node is and how to log in, as a connection dials it."""
 
     host: str = ""
-    port: int = 6379
+    port: int = REDIS_PORT
     unix_path: str = ""
     tls: ssl.SSLContext | None = None
     username: str | None = None
@@ -87,30 +87,33 @@ class RedisAddress:
         return self.unix_path if self.unix_path else f"{self.host}:{self.port}"
 
 
-def parse_redis_url(url: str, *, tls_ca_file: str | None = None) -> RedisAddress:
-    """`redis://[user:password@]host:port/db`, `rediss://` (TLS) or `unix:///path?db=N`.
-    The config loader has validated the URL's shape already."""
-    parts = urlsplit(url)
-    username = unquote(parts.username) if parts.username else None
-    password = unquote(parts.password) if parts.password is not None else None
-    if parts.scheme == "unix":
-        db = parse_qs(parts.query).get("db", ["0"])[0]
-        return RedisAddress(unix_path=unquote(parts.path), username=username, password=password, db=int(db or 0))
-    tls = ssl.create_default_context(cafile=tls_ca_file) if parts.scheme == "rediss" else None
-    db = parts.path.lstrip("/")
+def address_of(target: SingleTarget, *, tls_ca_file: str | None = None) -> RedisAddress:
+    """The address of a one-node store target; `rediss://` verifies the server against
+    `tls_ca_file`, or the system's CAs."""
+    tls = ssl.create_default_context(cafile=tls_ca_file) if target.tls else None
     return RedisAddress(
-        host=parts.hostname or "127.0.0.1",
-        port=parts.port or 6379,
+        host=target.host,
+        port=target.port,
+        unix_path=target.unix_path,
         tls=tls,
-        username=username,
-        password=password,
-        db=int(db) if db else 0,
+        username=target.username,
+        password=target.password,
+        db=target.db,
     )
+
+
+def address_of_url(url: str, *, tls_ca_file: str | None = None) -> RedisAddress:
+    """The address a `redis://`, `rediss://` or `unix://` URL names, for code holding a URL
+    and no config (tests, benchmarks); raises ValueError as the config loader would."""
+    target = parse_store_url(url)
+    if not isinstance(target, SingleTarget):
+        raise ValueError(f"expected the URL of one Redis node, got {target}")  # noqa: TRY004  (a bad value, not a bad type)
+    return address_of(target, tls_ca_file=tls_ca_file)
 
 
 class Waiter(Protocol):
     """What a command's reply is given to: a future, or an object that answers in the
-    read that brings the reply (`gateway.limiter.check_batches`), as a future's own
+    read that brings the reply (`gateway.redis.check_batches`), as a future's own
     callbacks would only in the next loop iteration."""
 
     def done(self) -> bool: ...

@@ -23,8 +23,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from gateway.limiter.redis_connection import RedisConnection
 from gateway.limiter.store import StoreError
+from gateway.redis.connection import RedisConnection
 
 # Redis runs a call's checks back to back, a few µs each, and serves no other client
 # meanwhile: 64 keep a call well under half a millisecond, and already bring the

@@ -7,8 +7,8 @@ command on the master of the lease key's slot. A limit with a `lease` takes
 several tokens of one bucket at once (`lua/token_lease.lua`). All buckets of a
 request are one check of the script: one round trip, all-or-nothing. The
 checks of one event-loop iteration for one node (on a Cluster, one slot) go
-in one script call (`gateway.limiter.check_batches`), over one pipelined
-connection per node (`gateway.limiter.redis_connection`). The admin API reads a bucket or an
+in one script call (`gateway.redis.check_batches`), over one pipelined
+connection per node (`gateway.redis.connection`). The admin API reads a bucket or an
 identity's leases together with Redis's TIME in one EVAL, and resets a bucket
 by DEL and leases by an EVAL that counts the live ones as it deletes them, each
 on the master of the key's slot.
@@ -16,32 +16,28 @@ on the master of the key's slot.
 Trusts Redis to answer correctly, not promptly: each command is bounded by
 `store.timeout` from the moment it is written, and never retried, since a
 retried EVALSHA could charge a client twice. Only NOSCRIPT, which means
-nothing ran, is answered by sending the script itself. Every failure leaves
-here as `StoreError`.
+nothing ran, is answered by sending the script itself (`gateway.redis.scripts`).
+Identities are hashed with the fleet's secret (`gateway.redis.secret`). Every
+failure leaves here as `StoreError`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
-import os
-import time
-from collections.abc import Awaitable, Callable, Sequence
-from importlib import resources
-from pathlib import Path
-from urllib.parse import urlsplit
+from collections.abc import Awaitable, Sequence
 
-from gateway.config.loader import redacted_url
 from gateway.config.model import ConcurrencyLimit, Limit, StoreConfig
-from gateway.limiter.keys import COMPACT_IDENTITY, bucket_key, identity_digest, lease_key
-from gateway.limiter import redis_cluster, redis_sentinel
-from gateway.limiter.check_batches import CheckBatches
-from gateway.limiter.redis_cluster import RedisCluster, key_slot
-from gateway.limiter.redis_connection import RedisAddress, RedisConnection, RedisReplyError, Waiter, parse_redis_url
+from gateway.config.redaction import redacted_url
 from gateway.limiter import bucket, quota
-from gateway.limiter.memory_store import lease_reading, reading, spec_of
+from gateway.limiter.keys import (
+    COMPACT_IDENTITY,
+    bucket_key,
+    identity_digest,
+    lease_key,
+)
+from gateway.limiter.leases import lease_reading
 from gateway.limiter.store import (
     BucketReading,
     LeaseCheck,
@@ -52,10 +48,15 @@ from gateway.limiter.store import (
     StoreDecision,
     StoreError,
 )
+from gateway.redis.check_batches import CheckBatches
+from gateway.redis.cluster import RedisCluster, key_slot
+from gateway.redis.connection import Waiter
+from gateway.redis.nodes import nodes_for
+from gateway.redis.scripts import Scripts, is_noscript
+from gateway.redis.secret import FleetSecret
 
 log = logging.getLogger(__name__)
 
-SCRIPT_NAME = "token_bucket.lua"
 # A bucket and Redis's clock in one atomic read, so the refill is computed as the
 # token-bucket script would (it is not on the request path: sent as EVAL each time).
 READ_SCRIPT = b"return {redis.call('HMGET', KEYS[1], 'tokens', 'ts'), redis.call('TIME')}"
@@ -77,110 +78,69 @@ ARGS_CACHE_ENTRIES = 4096
 # at most), more clients than one process sees within a refill period on most
 # deployments; past this the cache starts over.
 KEYS_CACHE_ENTRIES = 65536
-REFUND_SCRIPT_NAME = "token_refund.lua"
-CONCURRENCY_SCRIPT_NAME = "concurrency_lease.lua"
-TOKEN_LEASE_SCRIPT_NAME = "token_lease.lua"
-# Gateways sharing a Redis share this identity-hashing secret unless key_secret is set.
-SECRET_KEY_SUFFIX = "identity-secret"
-# How often a gateway re-reads that secret, so a fleet agrees again within this
-# long after a Redis that keeps no data restarts (set store.key_secret to avoid it).
-SECRET_REREAD_SECONDS = 10.0
 # Connecting, logging in and agreeing on the secret happen off the request path
 # and may take longer than one check.
 SETUP_TIMEOUT_FLOOR = 1.0
 
 
-def load_script(name: str = SCRIPT_NAME) -> str:
-    """A Lua script shipped inside the package (the top-level `lua/` folder). Run from a
-    source checkout (`python -m gateway` in its root, over an install that is not
-    editable), the package has no `gateway.lua`: the checkout's `lua/` is read instead."""
-    try:
-        scripts = resources.files("gateway.lua")
-    except ModuleNotFoundError:
-        scripts = Path(__file__).resolve().parents[2] / "lua"
-    return scripts.joinpath(name).read_text(encoding="utf-8")
-
-
-def redacted(url: str) -> str:
-    """The URL without its password, for logs and /readyz (see gateway.config.loader.redacted_url)."""
-    return redacted_url(url)
-
-
 class RedisStore:
     def __init__(self, config: StoreConfig) -> None:
         self._config = config
-        self.description = f"redis {redacted(config.url)}"
-        self._script = load_script().encode()
-        self._sha = hashlib.sha1(self._script).hexdigest().encode()
-        self._refund_script = load_script(REFUND_SCRIPT_NAME).encode()
-        self._refund_sha = hashlib.sha1(self._refund_script).hexdigest().encode()
-        self._concurrency_script = load_script(CONCURRENCY_SCRIPT_NAME).encode()
-        self._concurrency_sha = hashlib.sha1(self._concurrency_script).hexdigest().encode()
-        self._token_lease_script = load_script(TOKEN_LEASE_SCRIPT_NAME).encode()
-        self._token_lease_sha = hashlib.sha1(self._token_lease_script).hexdigest().encode()
-        self._secret: bytes | None = config.key_secret.encode() if config.key_secret else None
-        self._secret_read_at = 0.0
-        self._sharing_secret: asyncio.Future[None] | None = None
-        self._rereading: asyncio.Future[None] | None = None
+        self.description = f"redis {redacted_url(config.url)}"
+        self._scripts = Scripts.load()
         self._args_cache: dict[tuple[int, int, float], tuple[Limit, tuple[bytes, bytes, bytes, bytes, bytes]]] = {}
         self._keys_cache: dict[tuple[str, str], str] = {}
         self._keys_secret: bytes | None = None  # the secret the cached keys were hashed with
         self._lease_args_cache: dict[str, tuple[ConcurrencyLimit, tuple[bytes, bytes]]] = {}
         self._setup_timeout = max(config.timeout, SETUP_TIMEOUT_FLOOR)
-        connect_timeout = max(config.timeout * 10, SETUP_TIMEOUT_FLOOR)
-        self._cluster: RedisCluster | None = None
-        self._redis: RedisCluster | OneNode
-        self.refunds = urlsplit(config.url).scheme == redis_cluster.SCHEME
-        if self.refunds:
-            self._redis = self._cluster = RedisCluster(
-                redis_cluster.parse_cluster_url(config.url),
-                timeout=config.timeout,
-                connect_timeout=connect_timeout,
-                max_pending=config.max_pending,
-            )
-        else:
-            self._redis = OneNode(config, connect_timeout=connect_timeout)
+        self._redis = nodes_for(config, connect_timeout=max(config.timeout * 10, SETUP_TIMEOUT_FLOOR))
+        self._cluster = self._redis if isinstance(self._redis, RedisCluster) else None
+        self.refunds = self._cluster is not None
+        self._fleet_secret = FleetSecret(
+            self._redis,
+            key_secret=config.key_secret,
+            prefix=config.prefix,
+            timeout=self._setup_timeout,
+            description=self.description,
+        )
         self._batches = CheckBatches(self._send_checks, self._redis.connection_for, self._recover_checks)
+
+    @property
+    def _secret(self) -> bytes | None:
+        # The secret hashed with now: tests/test_redis_failures.py compares it with Redis's.
+        return self._fleet_secret.value
 
     async def start(self) -> None:
         await self._redis.connect()
-        if self._secret is None:
-            await self._share_secret()
-        for script in (self._script, self._refund_script, self._concurrency_script, self._token_lease_script):
-            await self._redis.on_every_master("SCRIPT", "LOAD", script, timeout=self._setup_timeout)
+        await self._fleet_secret.ensure()
+        for script in self._scripts:
+            await self._redis.on_every_master("SCRIPT", "LOAD", script.text, timeout=self._setup_timeout)
 
     async def ping(self) -> None:
         await self._redis.ping()
 
     async def close(self) -> None:
-        if self._rereading is not None:
-            self._rereading.cancel()
+        self._fleet_secret.close()
         await self._redis.close()  # fails an exchange in flight with StoreError
 
     async def check(self, checks: Sequence[LimitCheck]) -> StoreDecision:
-        if self._secret is None:
-            await self._share_secret()
-        for attempt in range(2):
-            keys = self._keys(checks)
-            try:
-                if self._cluster is not None:
-                    decision = await self._check_slots(checks, keys)
-                    break
-                # One Redis: the common case, with no slot to route by.
-                decision = _decision(await self._batches.add(0, keys, self._args(checks)))
-                break
-            except _SecretChanged:  # the keys were hashed with the secret of before an empty restart
-                if attempt:
-                    raise
-        self._maybe_reread_secret()
-        return decision
+        async def check_with(secret: bytes) -> StoreDecision:
+            keys = self._keys(checks, secret)
+            if self._cluster is not None:
+                return await self._check_slots(checks, keys)
+            # One Redis: the common case, with no slot to route by.
+            return _decision(await self._batches.add(0, keys, self._args(checks)))
+
+        return await self._fleet_secret.run(check_with)
 
     async def acquire(self, lease: LeaseCheck) -> LeaseDecision:
         key = await self._lease_key(lease)
         args = (lease.lease.encode(), *self._lease_args(lease.limit))
-        reply = await self._call(self._concurrency_script, self._concurrency_sha, key_slot(key), (key,), args)
+        reply = await self._scripts.concurrency.call(
+            self._redis, key_slot(key), (key,), args, before_eval=self._fleet_secret.after_noscript
+        )
         try:
-            admitted, in_flight = reply  # type: ignore[misc]
+            admitted, in_flight = reply
             return LeaseDecision(admitted=bool(admitted), in_flight=int(in_flight))
         except (TypeError, ValueError) as exc:
             raise StoreError(f"unexpected lease script reply {reply!r}") from exc
@@ -206,28 +166,22 @@ class RedisStore:
         return bool(live)
 
     async def _lease_key(self, lease: LeaseCheck) -> str:
-        if self._secret is None:
-            await self._share_secret()
-        secret = self._secret
-        assert secret is not None
+        secret = await self._fleet_secret.ensure()
         return lease_key(self._config.prefix, lease.limit.name, identity_digest(secret, lease.identity))
 
     async def lease(self, check: LimitCheck, want: int) -> LeaseGrant:
         """One bucket, so one slot: on a Cluster too, one script call and no refund."""
-        if self._secret is None:
-            await self._share_secret()
         # A leased limit is a bucket that rejects (the config refuses quotas and delays): no debt.
         _, capacity, rate, cost, _ = self._script_args(check)
         args = (capacity, rate, cost, str(want).encode())
-        for attempt in range(2):
-            (key,) = self._keys((check,))
-            try:
-                reply = await self._call(self._token_lease_script, self._token_lease_sha, key_slot(key), (key,), args)
-                break
-            except _SecretChanged:
-                if attempt:
-                    raise
-        self._maybe_reread_secret()
+
+        async def lease_with(secret: bytes) -> object:
+            (key,) = self._keys((check,), secret)
+            return await self._scripts.token_lease.call(
+                self._redis, key_slot(key), (key,), args, before_eval=self._fleet_secret.after_noscript
+            )
+
+        reply = await self._fleet_secret.run(lease_with)
         try:
             allowed, granted, remaining, retry_ms = reply  # type: ignore[misc]
             retry_ms = int(retry_ms)
@@ -242,11 +196,10 @@ class RedisStore:
 
     async def refund(self, check: LimitCheck, tokens: int) -> None:
         """One bucket, so one slot: `lua/token_refund.lua`, as for a check denied in a later slot."""
-        if self._secret is None:
-            await self._share_secret()
+        secret = await self._fleet_secret.ensure()
         _, capacity, *_ = self._script_args(check)
-        (key,) = self._keys((check,))
-        await self._call(self._refund_script, self._refund_sha, key_slot(key), (key,), (capacity, str(tokens).encode()))
+        (key,) = self._keys((check,), secret)
+        await self._scripts.refund.call(self._redis, key_slot(key), (key,), (capacity, str(tokens).encode()))
 
     async def read(self, limit: Limit, identity: str) -> BucketReading:
         key = await self._admin_key(limit, identity)
@@ -257,16 +210,15 @@ class RedisStore:
             state = None if tokens is None or stamp is None else bucket.BucketState(float(tokens), float(stamp) / 1000)
         except (TypeError, ValueError) as exc:
             raise StoreError(f"unexpected bucket read reply {reply!r}") from exc
-        return reading(key, limit, state, now_ms / 1000)
+        return bucket.reading(key, limit, state, now_ms / 1000)
 
     async def delete(self, limit: Limit, identity: str) -> bool:
         key = await self._admin_key(limit, identity)
         return bool(await self._redis.execute(key_slot(key), b"DEL", key, timeout=self._setup_timeout))
 
     async def _admin_key(self, limit: Limit, identity: str) -> str:
-        if self._secret is None:
-            await self._share_secret()
-        return self._keys([LimitCheck(limit=limit, identity=identity, cost=0)])[0]
+        secret = await self._fleet_secret.ensure()
+        return self._keys([LimitCheck(limit=limit, identity=identity, cost=0)], secret)[0]
 
     async def _check_slots(self, checks: Sequence[LimitCheck], keys: list[str]) -> StoreDecision:
         """A check across Redis Cluster slots: one script call per slot, in slot order.
@@ -309,9 +261,8 @@ class RedisStore:
         for i in indices:
             slots.setdefault(key_slot(keys[i]), []).append(i)
         refunds = [
-            self._call(
-                self._refund_script,
-                self._refund_sha,
+            self._scripts.refund.call(
+                self._redis,
                 slot,
                 [keys[i] for i in part],
                 [arg for i in part for arg in self._script_args(checks[i])[1::2]],  # capacity (or limit), cost
@@ -326,101 +277,23 @@ class RedisStore:
                 raise outcome
 
     def _send_checks(self, slot: int, keys: list[str], args: list[bytes], batch: Waiter) -> object:
-        """One script call carrying the checks of `batch` (`gateway.limiter.check_batches`):
+        """One script call carrying the checks of `batch` (`gateway.redis.check_batches`):
         queued now, so it goes in the connection's write under way. One node answers `batch`
         itself; a Cluster returns an awaitable that follows redirects."""
-        return self._redis.execute(slot, b"EVALSHA", self._sha, len(keys), *keys, *args, weight=len(batch), waiter=batch)
+        return self._scripts.check.evalsha(self._redis, slot, keys, args, weight=len(batch), waiter=batch)
 
     def _recover_checks(
         self, error: StoreError, slot: int, keys: list[str], args: list[bytes], checks: int
     ) -> Awaitable[object] | None:
-        if not isinstance(error, RedisReplyError) or not error.reply.startswith("NOSCRIPT"):
+        if not is_noscript(error):
             return None
-        return self._after_error(error, self._script, slot, keys, args, weight=checks)
-
-    async def _call(self, script: bytes, sha: bytes, slot: int, keys: Sequence[str], args: Sequence[bytes]) -> object:
-        """EVALSHA, or EVAL when Redis has lost its script cache."""
-        try:
-            return await self._redis.execute(slot, b"EVALSHA", sha, len(keys), *keys, *args)
-        except RedisReplyError as exc:
-            return await self._after_error(exc, script, slot, keys, args)
-
-    async def _after_error(
-        self, exc: RedisReplyError, script: bytes, slot: int, keys: Sequence[str], args: Sequence[bytes], *, weight: int = 1
-    ) -> object:
-        """EVAL after a NOSCRIPT reply to EVALSHA; any other error reply is raised."""
-        if not exc.reply.startswith("NOSCRIPT"):
-            raise exc
-        # The script cache is empty after a restart, a failover or SCRIPT FLUSH, and
-        # a restart also lost the identity secret: offer ours again before another
-        # gateway picks a new one. NOSCRIPT means nothing ran, so sending the
-        # script itself is safe; EVAL also caches it for the next EVALSHA.
-        if not self._config.key_secret and script is not self._refund_script:
-            secret = self._secret
-            await self._share_secret()
-            if self._secret != secret:
-                raise _SecretChanged(f"{self.description}: the identity secret changed")
-        return await self._redis.execute(slot, b"EVAL", script, len(keys), *keys, *args, weight=weight)
-
-    async def _share_secret(self) -> None:
-        """Agree with the fleet on the identity secret kept in Redis, once at a time.
-
-        The first gateway to start picks it and the rest read it. A Redis that
-        restarted empty has lost it: the secret this gateway already hashes with is
-        offered again, so gateways started before and after the restart agree."""
-        if self._sharing_secret is None or self._sharing_secret.done():
-            self._sharing_secret = asyncio.ensure_future(self._exchange_secret())
-        sharing = self._sharing_secret
-        try:
-            await asyncio.shield(sharing)
-        finally:
-            if sharing.done() and self._sharing_secret is sharing:
-                self._sharing_secret = None
-
-    async def _exchange_secret(self) -> None:
-        name = f"{self._config.prefix}{SECRET_KEY_SUFFIX}"
-        offer = self._secret if self._secret is not None else os.urandom(32).hex().encode()
-        execute, slot = self._redis.execute, key_slot(name)
-        replies = await asyncio.gather(
-            execute(slot, "SET", name, offer, "NX", timeout=self._setup_timeout),
-            execute(slot, "GET", name, timeout=self._setup_timeout),
-            return_exceptions=True,
+        return self._scripts.check.eval_after(
+            error, self._redis, slot, keys, args, weight=checks, before_eval=self._fleet_secret.after_noscript
         )
-        for reply in replies:
-            if isinstance(reply, BaseException):
-                raise reply
-        value = replies[1]
-        if value is None:
-            raise StoreError(f"{self.description}: the identity secret {name!r} vanished from Redis")
-        self._secret = value
-        self._secret_read_at = time.monotonic()
 
-    def _maybe_reread_secret(self) -> None:
-        """Every SECRET_REREAD_SECONDS, in the background, adopt the secret Redis holds now.
-
-        A Redis that restarted empty may have been given a new secret by a gateway
-        that started since; without this, older gateways would keep hashing with
-        the old one and every client would get one bucket per secret."""
-        if self._config.key_secret or (self._sharing_secret is not None and not self._sharing_secret.done()):
-            return
-        now = time.monotonic()
-        if now - self._secret_read_at < SECRET_REREAD_SECONDS:
-            return
-        self._secret_read_at = now
-        # Kept: the event loop holds tasks only weakly.
-        self._rereading = asyncio.ensure_future(self._reread_secret())
-
-    async def _reread_secret(self) -> None:
-        try:
-            await self._share_secret()
-        except StoreError as exc:
-            log.debug("could not re-read the identity secret: %s", exc)
-
-    def _keys(self, checks: Sequence[LimitCheck]) -> list[str]:
+    def _keys(self, checks: Sequence[LimitCheck], secret: bytes) -> list[str]:
         """The bucket of each check, kept for the last KEYS_CACHE_ENTRIES (limit, identity)
         pairs of this secret: hashing an identity costs more than the rest of a check."""
-        secret = self._secret
-        assert secret is not None
         cache = self._keys_cache
         if self._keys_secret is not secret:
             cache.clear()
@@ -458,13 +331,13 @@ class RedisStore:
     def _script_args(self, check: LimitCheck) -> tuple[bytes, bytes, bytes, bytes, bytes]:
         """The kind and four values of one limit, formatted once per limit, cost and max_delay: a bucket's
         capacity, rate per second, cost and debt (max_delay × rate), or a quota's limit, period,
-        cost and offset in ms (`gateway.limiter.memory_store.spec_of`). Keyed by the limit object,
+        cost and offset in ms (`gateway.limiter.bucket.spec_of`). Keyed by the limit object,
         so a limit a reload replaced is formatted anew."""
         limit = check.limit
         key = (id(limit), check.cost, check.max_delay)
         cached = self._args_cache.get(key)
         if cached is None or cached[0] is not limit:
-            spec = spec_of(check)
+            spec = bucket.spec_of(check)
             if isinstance(spec, quota.QuotaSpec):
                 kind, values = b"q", (spec.limit, spec.period_ms, spec.cost, spec.offset_ms)
             else:
@@ -489,53 +362,3 @@ def _decision(reply: object) -> StoreDecision:
         )
     except (TypeError, ValueError) as exc:
         raise StoreError(f"unexpected script reply {reply!r}") from exc
-
-
-class _SecretChanged(StoreError):
-    """Redis holds another identity secret than the one a check's keys were hashed with."""
-
-
-class OneNode:
-    """A single Redis (or the master Sentinel names) over one pipelined connection,
-    with the same face as `RedisCluster`: the slot of a command is ignored."""
-
-    def __init__(self, config: StoreConfig, *, connect_timeout: float) -> None:
-        if urlsplit(config.url).scheme == redis_sentinel.SCHEME:
-            service = redis_sentinel.parse_sentinel_url(config.url)
-            address = RedisAddress(host=service.sentinels[0][0], port=service.sentinels[0][1])
-
-            async def master() -> RedisAddress:
-                return await redis_sentinel.master_address(service, timeout=connect_timeout / len(service.sentinels))
-
-            resolve: Callable[[], Awaitable[RedisAddress]] | None = master
-        else:
-            address, resolve = parse_redis_url(config.url, tls_ca_file=config.tls_ca_file), None
-        self.connection = RedisConnection(
-            address,
-            timeout=config.timeout,
-            connect_timeout=connect_timeout,
-            max_pending=config.max_pending,
-            resolve=resolve,
-        )
-
-    async def connect(self) -> None:
-        await self.connection.connect()
-
-    async def ping(self) -> None:
-        # The readiness probe connects at once, without waiting for the reconnect backoff.
-        await self.connection.connect()
-        await self.connection.execute("PING", timeout=max(self.connection.timeout, 0.25))
-
-    def connection_for(self, slot: int) -> RedisConnection:
-        return self.connection
-
-    def execute(
-        self, slot: int, *args: object, timeout: float | None = None, weight: int = 1, waiter: Waiter | None = None
-    ) -> Awaitable[object]:
-        return self.connection.execute(*args, timeout=timeout, weight=weight, waiter=waiter)
-
-    async def on_every_master(self, *args: object, timeout: float) -> None:
-        await self.connection.execute(*args, timeout=timeout)
-
-    async def close(self) -> None:
-        await self.connection.close()
