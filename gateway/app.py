@@ -114,7 +114,7 @@ class Gateway:
         request, costing more than the rest of the gateway's own work on it. `kwargs` go to
         aiohttp's RequestHandler: access_log, access_log_class. PublicServer answers what the
         parser refuses as problem+json and writes no Server banner, and holds each connection
-        to `config.clients` (gateway.bounded_protocol).
+        to `config.clients` (gateway.proxy.bounded_protocol).
 
         Request bodies are never inflated (`auto_decompress=False`): a gzip body is the
         upstream's to decode, and inflating it while its Content-Length went on unchanged

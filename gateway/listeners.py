@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.access_log import ACCESS_LOG_FORMATS, access_logger
+from gateway.proxy.access_log import ACCESS_LOG_FORMATS, access_logger
 from gateway.app import Gateway
 
 # aiohttp's runner waits its shutdown_timeout for a handler, then cancels and waits it
@@ -58,7 +58,7 @@ async def open_listeners(
     """Serve `gateway` on its config's `listen` (over TLS with `listen.tls`) and
     `admin_listen` until the block ends; then cut what is still in flight (drain first
     for a graceful stop). `access_log` ("text" or "json") writes a line per request to
-    gateway.access_log's logger; `reuse_port` lets every worker bind the same ports."""
+    gateway.proxy.access_log's logger; `reuse_port` lets every worker bind the same ports."""
     config = gateway.config
     public = web.ServerRunner(
         gateway.public_server(

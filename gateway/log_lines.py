@@ -1,6 +1,6 @@
 """Log lines written off the event loop: a stalled reader costs lines, never requests.
 
-The gateway writes two streams: the access log on stdout (gateway.access_log) and
+The gateway writes two streams: the access log on stdout (gateway.proxy.access_log) and
 its own log on stderr. A reader of either that stalls (Docker's and journald's log
 drivers read both, so one stall hits both; a full 64 KiB pipe) would block the first
 write after it, and with it the event loop. So no caller writes: `QueuedLines` formats

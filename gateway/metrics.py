@@ -350,7 +350,7 @@ class Metrics:
         self.access_log_dropped = add(Counter(
             "gateway_access_log_dropped",
             "Access log lines dropped because stdout did not take them: the queue of lines waiting was full "
-            "(gateway.access_log.QUEUE_LINES) or a write failed.",
+            "(gateway.proxy.access_log.QUEUE_LINES) or a write failed.",
             registry=None,
         ))
         self.log_lines_dropped = add(Counter(

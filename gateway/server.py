@@ -23,7 +23,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from gateway import __version__
-from gateway.access_log import close_access_log, enable_access_log
+from gateway.proxy.access_log import close_access_log, enable_access_log
 from gateway.app import Gateway
 from gateway.config import ConfigError, load_config
 from gateway.config.model import GatewayConfig

@@ -15,7 +15,7 @@ import signal
 import aiohttp
 import pytest
 
-from gateway.access_log import FLUSH_SECONDS, QUEUE_LINES
+from gateway.proxy.access_log import FLUSH_SECONDS, QUEUE_LINES
 from gateway.testing import running_gateway
 from tests.processes import GatewayProcess, eventually, run_cli
 from tests.raw_client import raw_exchange

@@ -1,7 +1,7 @@
 """The gateway's own answers, built once and written per request with only their varying
 fields (gateway.proxy.problem and the rejections of gateway.proxy.route_plan), and the
 other per-request parts made cheap: the Host memo (gateway.proxy.protocol) and request ids
-cut from one draw of random bytes (gateway.access_log). Pure: no server runs."""
+cut from one draw of random bytes (gateway.proxy.access_log). Pure: no server runs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import re
 from aiohttp import hdrs
 from multidict import CIMultiDict
 
-from gateway.access_log import IDS_PER_DRAW, request_id
+from gateway.proxy.access_log import IDS_PER_DRAW, request_id
 from gateway.config.units import Rate
 from gateway.config.model import FailurePolicy, Limit, ResponseStyle
 from gateway.config.body_template import parse_body_template

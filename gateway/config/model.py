@@ -374,7 +374,7 @@ class Route:
 
 @dataclass(frozen=True, kw_only=True)
 class ClientLimits:
-    """What one client connection may hold of the gateway (see gateway.bounded_protocol).
+    """What one client connection may hold of the gateway (see gateway.proxy.bounded_protocol).
     The defaults are nginx's where it has one."""
 
     header_timeout: float = 60.0  # a request head must arrive whole within this of its first byte

@@ -25,8 +25,8 @@ from aiohttp import hdrs, web
 from aiohttp.http import HttpVersion11
 from multidict import CIMultiDict
 
-from gateway.access_log import ACCESS_RECORD, AccessRecord, request_id
-from gateway.bounded_protocol import CANCEL_ON_HANGUP, ClientLimitExceeded, hung_up
+from gateway.proxy.access_log import ACCESS_RECORD, AccessRecord, request_id
+from gateway.proxy.bounded_protocol import CANCEL_ON_HANGUP, ClientLimitExceeded, hung_up
 from gateway.config.model import GatewayConfig
 from gateway.limiter.concurrency import Admission
 from gateway.limiter.limiter import UNLIMITED, Decision, Limiter
@@ -320,7 +320,7 @@ class ProxyHandler:
             except ClientLeft:
                 return self._client_closed(plan)  # while its handshake waited for the upstream
         # From here on, a client that hangs up cancels this task: the upstream request is
-        # abandoned rather than finished for nobody (see gateway.bounded_protocol).
+        # abandoned rather than finished for nobody (see gateway.proxy.bounded_protocol).
         request[CANCEL_ON_HANGUP] = asyncio.current_task()  # type: ignore[assignment]
         try:
             return await self._proxy(request, plan, rest, headers, limit_headers, record)

@@ -38,7 +38,7 @@ from aiohttp.http_exceptions import (
 from aiohttp import web_protocol
 from aiohttp.web_protocol import RequestHandler
 
-from gateway.bounded_protocol import BoundedRequestHandler, BoundedServer
+from gateway.proxy.bounded_protocol import BoundedRequestHandler, BoundedServer
 from gateway.proxy.headers import unrelayable_coding
 from gateway.proxy.problem import problem
 from gateway.proxy.routing import request_host
@@ -232,7 +232,7 @@ class _RequestHandler(BoundedRequestHandler):
 
 class PublicServer(BoundedServer):
     """aiohttp's low-level server, speaking through the handler and request classes above,
-    each connection bounded by `limits` (gateway.bounded_protocol). `refused` is called for
+    each connection bounded by `limits` (gateway.proxy.bounded_protocol). `refused` is called for
     each request the parser or those bounds refused, which the proxy handler never sees, so
     that the metrics count it."""
 

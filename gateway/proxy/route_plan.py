@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import hdrs
 from multidict import CIMultiDict
 
-from gateway.access_log import PROCESS_LOG_SECRET
+from gateway.proxy.access_log import PROCESS_LOG_SECRET
 from gateway.config.redaction import redacted_url
 from gateway.config.model import (
     Balance,
