@@ -17,7 +17,7 @@ condition reads that header's one line, a query condition the parameter's one
 value, decoded. Both are what the client chose to send, so a route they select
 should not be more lenient than the route the client would take without them;
 and what a condition matched must be exactly what the upstream receives. So,
-as for identity sources (gateway.proxy.client_identity), a header or query
+as for identity sources (gateway.identity.values), a header or query
 parameter a condition reads is refused with 400 (ConditionRejected) when it is
 given twice (first-value and last-value readers would see different values
 from the gateway's), when it holds characters outside visible ASCII (the
@@ -216,7 +216,7 @@ def _query_condition(condition: ValueMatch) -> _Condition:
 
 def _visible(value: str) -> bool:
     """Non-empty `value` is visible ASCII, spaces only inside: read by the upstream as by us
-    (the same rule as client_identity's, which imports this module)."""
+    (the same rule as gateway.identity.values', whose package imports this module)."""
     return value.isascii() and value.isprintable() and value[0] != " " and value[-1] != " "
 
 
