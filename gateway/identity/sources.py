@@ -126,6 +126,29 @@ def composite_value(values: Sequence[str]) -> str:
     return ",".join(v.replace("%", "%25").replace(",", "%2C") for v in values)
 
 
+# How identities() reads a source, decided once per source: the two common kinds inline.
+_CLIENT_IP, _HEADER, _OTHER = range(3)
+
+
+@dataclass(frozen=True, slots=True)
+class IdentityKey:
+    """A limit's `key`, compiled once: each source beside its "source=" prefix and how it is read."""
+
+    sources: tuple[tuple[IdentitySource, str, int], ...]
+
+    @classmethod
+    def of(cls, sources: Sequence[IdentitySource]) -> IdentityKey:
+        return cls(sources=tuple((source, f"{source}=", _reading(source)) for source in sources))
+
+
+def _reading(source: IdentitySource) -> int:
+    if source.kind == "ip" and source.ipv4_prefix == 32 and source.ipv6_prefix == 128:
+        return _CLIENT_IP  # the whole address: the client's address as it is
+    if source.kind == "header":
+        return _HEADER
+    return _OTHER
+
+
 def part_value(source: IdentitySource, sent: str) -> str:
     """The value a single (not composite) source is keyed on, from what the request carried
     for it: the client's address as the gateway writes it (`ip`), the method, the Host
@@ -171,29 +194,6 @@ def _address(text: str) -> str:
     if address is None:
         raise ValueError("The value of an ip source must be an IP address.")
     return str(address)
-
-
-# How identities() reads a source, decided once per source: the two common kinds inline.
-_CLIENT_IP, _HEADER, _OTHER = range(3)
-
-
-@dataclass(frozen=True, slots=True)
-class IdentityKey:
-    """A limit's `key`, compiled once: each source beside its "source=" prefix and how it is read."""
-
-    sources: tuple[tuple[IdentitySource, str, int], ...]
-
-    @classmethod
-    def of(cls, sources: Sequence[IdentitySource]) -> IdentityKey:
-        return cls(sources=tuple((source, f"{source}=", _reading(source)) for source in sources))
-
-
-def _reading(source: IdentitySource) -> int:
-    if source.kind == "ip" and source.ipv4_prefix == 32 and source.ipv6_prefix == 128:
-        return _CLIENT_IP  # the whole address: the client's address as it is
-    if source.kind == "header":
-        return _HEADER
-    return _OTHER
 
 
 @dataclass(frozen=True, slots=True)
