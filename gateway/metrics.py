@@ -42,8 +42,6 @@ from prometheus_client.utils import INF, floatToGoString
 from gateway import __version__
 from gateway.limiter.circuit_breaker import BreakerState
 
-# Anything else a client sends is counted as OTHER, so clients cannot mint label values.
-KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "CONNECT", "TRACE"})
 UNMATCHED_ROUTE = "unmatched"
 # gateway_upstream_unavailable_total's reasons: why a request was answered 503 without going upstream.
 NO_TARGET = "no_target"
@@ -59,10 +57,6 @@ UPSTREAM_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 
 # status // 100 -> its label; HTTP status codes have three digits.
 STATUS_CLASSES = tuple(f"{digit}xx" for digit in range(10))
-
-
-def method_label(method: str) -> str:
-    return method if method in KNOWN_METHODS else "OTHER"
 
 
 class CounterValue:
@@ -203,7 +197,7 @@ class Children:
     about 3 µs a call); a kept child is one dict hit away. The label sets the config
     makes known (each limit's decisions, each route's reasons, each target's error kinds)
     are bound up front (`export`); the others on first use, so /metrics is not every
-    method by every status class. Callers pass values from a bounded set (method_label,
+    method by every status class. Callers pass values from a bounded set (gateway.identity.methods.method_label,
     STATUS_CLASSES, decision outcomes), so the dict stays small."""
 
     __slots__ = ("_metric", "_fixed", "_names", "_bound")

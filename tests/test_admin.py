@@ -10,7 +10,8 @@ import json
 import pytest
 
 from gateway import __version__
-from gateway.metrics import KNOWN_METHODS, UNMATCHED_ROUTE
+from gateway.identity.methods import KNOWN_METHODS
+from gateway.metrics import UNMATCHED_ROUTE
 from gateway.testing import running_gateway
 from tests.processes import RedisServer, eventually
 from tests.scrape import scrape, value

@@ -17,7 +17,7 @@ import pytest
 from multidict import CIMultiDict
 
 from gateway.limiter.keys import DIGEST_BYTES, bucket_key, identity_digest
-from gateway.proxy.client_identity import ADDRESS_MEMO_SIZE, ClientIdentity
+from gateway.identity.sources import ADDRESS_MEMO_SIZE, ClientIdentity
 from gateway.config import ConfigError
 from gateway.testing import config_from_yaml, running_gateway
 from tests.raw_client import echoed, echoed_headers, raw_request, request_bytes

@@ -19,7 +19,7 @@ from gateway.limiter.denial_cache import DenialCache
 from gateway.limiter.keys import COMPACT_IDENTITY, memory_key
 from gateway.limiter.store import LimitCheck
 from gateway.limiter.token_leases import Leases
-from gateway.proxy.client_identity import MAX_IDENTITY_LENGTH
+from gateway.identity.sources import MAX_IDENTITY_LENGTH
 from gateway.testing import running_gateway
 from tests.processes import GatewayProcess
 from tests.test_denial_cache import limit

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from gateway.config import ConfigError
 from gateway.config.model import JwtConfig, JwtFailure, JwtKey
-from gateway.proxy.jwt_identity import VERIFIED_MEMO_SIZE, JwtVerifier, bearer_token
+from gateway.identity.jwt import VERIFIED_MEMO_SIZE, JwtVerifier, bearer_token
 from gateway.testing import config_from_yaml, running_gateway
 from tests.processes import GatewayProcess
 from tests.raw_client import raw_request, request_bytes

@@ -3,38 +3,26 @@
 
 Trusts its caller: app.py mounts it behind the Host check and the bearer token.
 The identity a query names is read by the gateway's own rules, as a request's would
-be, and shown hashed (keyed by a secret drawn at import) unless `admin_raw_identities`.
+be (`gateway.identity.sources.identity_value`), and shown hashed (keyed by the process's
+secret, `gateway.limiter.keys.PROCESS_SECRET`) unless `admin_raw_identities`.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 from aiohttp import web
 
 from gateway.config.model import ConcurrencyLimit, GatewayConfig, IdentitySource, Limit
-from gateway.limiter.keys import identity_digest
+from gateway.identity.sources import identity_value
+from gateway.identity.tiers import tier_of
+from gateway.limiter.keys import PROCESS_SECRET, identity_digest
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.store import StoreError
-from gateway.metrics import method_label
-from gateway.proxy.client_identity import (
-    GLOBAL_VALUE,
-    composite_value,
-    ip_group,
-    parse_ip,
-)
 from gateway.proxy.problem import PROBLEM_CONTENT_TYPE, problem_body
-from gateway.proxy.routing import request_host
-from gateway.proxy.tiers import tier_of
 
 DEFAULT_TOP = 10
-# Keys the identity hashes the admin API shows. Made at import, so the worker processes,
-# forked after `gateway run` imported this module, share it: /buckets and /top-limited
-# answer from whichever worker a connection reaches, and a client's hash must be the same
-# in each. Stable while the gateway runs; never a bucket's key.
-SHOWN_IDENTITY_SECRET = os.urandom(32)
 
 
 class BucketApi:
@@ -43,9 +31,9 @@ class BucketApi:
     def __init__(self, config: GatewayConfig, limiter: Limiter) -> None:
         self._limiter = limiter
         self.update(config)
-        # Stable while the gateway runs, and alike in every worker, so an operator can match
-        # a client's inspect answer to its line in the top list.
-        self._secret = SHOWN_IDENTITY_SECRET
+        # Stable while the gateway runs, and alike in every worker (drawn before the fork), so
+        # an operator can match a client's inspect answer to its line in the top list.
+        self._secret = PROCESS_SECRET
 
     def update(self, config: GatewayConfig) -> None:
         """Answer from `config` from now on (a reload)."""
@@ -132,7 +120,7 @@ class BucketApi:
         limit = self._limits.get(name)
         if limit is None:
             raise _problem(web.HTTPNotFound, "Not Found", f"No limit is named {name!r}.", limits=sorted(self._limits))
-        # A client with none of the key's sources is limited by address (client_identity); a
+        # A client with none of the key's sources is limited by address (identity.sources); a
         # key with a source every request has (ip/24, path) never is.
         fallback = () if any(s.always_present for s in limit.key) else (IdentitySource(kind="ip"),)
         sources = {str(s): s for s in (*limit.key, *fallback)}
@@ -172,36 +160,14 @@ class BucketApi:
 
 def _identity_value(source: IdentitySource, values: list[str]) -> str:
     """The value a request would have given `source`, from the `value`s the operator gave."""
-    if source.kind == "global":
-        return GLOBAL_VALUE
     parts = source.leaves
-    if len(values) != len(parts) or not all(values):
+    if source.kind != "global" and (len(values) != len(parts) or not all(values)):
         shown = " and ".join(str(part) for part in parts)
         raise _bad_request(f"Give the client's value of {shown} as ?value=, once per part in that order, as sent.")
-    if source.kind == "ip" and source.ipv4_prefix == 32 and source.ipv6_prefix == 128:
-        # A whole address is keyed as itself, not as its /32 or /128 (client_identity's common case).
-        return _address(values[0])
-    read = [_part_value(part, value) for part, value in zip(parts, values)]
-    return composite_value(read) if source.kind == "composite" else read[0]
-
-
-def _part_value(source: IdentitySource, value: str) -> str:
-    """One single source's value, read by the gateway's own rules."""
-    if source.kind == "ip":
-        return ip_group(_address(value), source.ipv4_prefix, source.ipv6_prefix)
-    if source.kind == "method":
-        return method_label(value.upper())
-    if source.kind == "host":
-        return request_host(value)
-    return value
-
-
-def _address(text: str) -> str:
-    """An address as the gateway keys a client's (`client_identity.parse_ip`)."""
-    address = parse_ip(text)
-    if address is None:
-        raise _bad_request("The value of an ip source must be an IP address.")
-    return str(address)
+    try:
+        return identity_value(source, values)
+    except ValueError as exc:  # an ip value that is not an address
+        raise _bad_request(str(exc)) from None
 
 
 def _problem(kind: type[web.HTTPException], title: str, detail: str, **extra: object) -> web.HTTPException:

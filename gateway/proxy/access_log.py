@@ -21,12 +21,12 @@ parameter keeps its name and its value becomes `***`; so does the user and passw
 of an absolute-form target (`GET http://user:pw@host/path`). A limit's identity (an API
 key, a token claim, an address) appears only as a keyed hash: 64 bits of BLAKE2b
 keyed by `store.key_secret` when set, so lines of every process and restart
-agree, else by a secret drawn when the process starts, good within it.
+agree, else by the process's own secret (`gateway.limiter.keys.PROCESS_SECRET`),
+good within it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -39,11 +39,13 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web import BaseRequest, StreamResponse
 
+from gateway.identity.sources import ClientIdentity
+from gateway.identity.values import IdentityRejected
 from gateway.limiter.concurrency import Admission
+from gateway.limiter.keys import identity_digest
 from gateway.limiter.limiter import Decision
 from gateway.limiter.store import LimitCheck
 from gateway.log_lines import FLUSH_SECONDS, QueuedLines
-from gateway.proxy.client_identity import ClientIdentity, IdentityRejected
 
 # What X-Request-ID may hold to be passed on as the client sent it: short, and nothing
 # that could break a text log line or a header. Anything else is replaced by a new id.
@@ -119,14 +121,7 @@ class AccessRecord:
         self.lease_identities: Sequence[str] = ()
 
 
-# Keys identity hashes when store.key_secret is not set: one per process, so a reload keeps it.
-PROCESS_LOG_SECRET = os.urandom(32)
 ACCESS_RECORD = web.RequestKey("gateway.access_record", AccessRecord)
-
-
-def identity_hash(secret: bytes, identity: str) -> str:
-    data = identity.encode("utf-8", "surrogateescape")
-    return hashlib.blake2b(data, key=secret[:64], digest_size=IDENTITY_HASH_BYTES).hexdigest()
 
 
 def redacted_target(request: BaseRequest) -> str:
@@ -174,7 +169,7 @@ def _limits(record: AccessRecord | None) -> tuple[str | None, list[dict[str, str
     else:
         overall = "allow"
     limits = [
-        {"name": name, "decision": outcome, "identity": identity_hash(record.secret, identity)}
+        {"name": name, "decision": outcome, "identity": identity_digest(record.secret, identity, IDENTITY_HASH_BYTES)}
         for name, outcome, identity in outcomes
     ]
     return overall, limits

@@ -28,12 +28,15 @@ from multidict import CIMultiDict
 from gateway.proxy.access_log import ACCESS_RECORD, AccessRecord, request_id
 from gateway.proxy.bounded_protocol import CANCEL_ON_HANGUP, ClientLimitExceeded, hung_up
 from gateway.config.model import GatewayConfig
+from gateway.identity.methods import method_label
+from gateway.identity.sources import ClientIdentity
+from gateway.identity.tiers import held_to, tier_header, with_allowlisted
+from gateway.identity.values import IdentityRejected
 from gateway.limiter.concurrency import Admission
 from gateway.limiter.limiter import UNLIMITED, Decision, Limiter
 from gateway.limiter.outcomes import ALLOW, FAIL_CLOSED, FAIL_OPEN, NO_ROOM, SKIPPED
 from gateway.limiter.store import LimitCheck
-from gateway.metrics import STATUS_CLASSES, Metrics, method_label
-from gateway.proxy.client_identity import ClientIdentity, IdentityRejected
+from gateway.metrics import STATUS_CLASSES, Metrics
 from gateway.proxy.forwarding import Upstream, forward, http_attempt, websocket_attempt
 from gateway.proxy.header_rewrite import rewrite_headers
 from gateway.proxy.headers import GATEWAY_WRITTEN, add_forwarded, drop_cgi_aliases, end_to_end
@@ -44,7 +47,6 @@ from gateway.proxy.health_checks import HealthChecks
 from gateway.proxy.ratelimit_headers import retry_after_seconds
 from gateway.proxy.route_plan import Plans, RoutePlan, compile_plans
 from gateway.proxy.routing import ConditionRejected
-from gateway.proxy.tiers import held_to, tier_header, with_allowlisted
 from gateway.proxy.upstream_pool import TargetStates
 from gateway.proxy.websocket import ClientLeft, is_websocket_upgrade
 

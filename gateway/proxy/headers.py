@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.config.http_names import FORWARDING, HOP_BY_HOP
+from gateway.config.http_names import FORWARDING, HOP_BY_HOP, cgi_name
 
 # RFC 7230 tchar: a Forwarded value of these alone needs no quotes.
 _TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
@@ -37,12 +37,6 @@ GATEWAY_WRITTEN = FORWARDING | {"host"}
 # The transfer codings the gateway can relay (see the module docstring).
 _RELAYED_CODINGS = frozenset({"chunked", "identity"})
 _FORWARDING = ("X-Forwarded-For", "X-Forwarded-Proto", "X-Forwarded-Host", "Forwarded")
-
-
-def cgi_name(name: str) -> str:
-    """A header's name as CGI and WSGI servers see it, where `X_API_Key` and `X-API-Key` are
-    both HTTP_X_API_KEY: which of two such lines the upstream reads is its choice."""
-    return name.lower().replace("_", "-")
 
 
 def drop_cgi_aliases(headers: CIMultiDict[str], names: frozenset[str]) -> None:

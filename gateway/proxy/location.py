@@ -32,7 +32,8 @@ from urllib.parse import quote, urlsplit
 from multidict import CIMultiDict
 
 from gateway.proxy.protocol import VALID_HOST
-from gateway.proxy.routing import WILDCARD, request_host
+from gateway.config.http_names import request_host
+from gateway.proxy.routing import WILDCARD
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _NAMES = ("Location", "Content-Location")

@@ -41,7 +41,7 @@ from aiohttp.web_protocol import RequestHandler
 from gateway.proxy.bounded_protocol import BoundedRequestHandler, BoundedServer
 from gateway.proxy.headers import unrelayable_coding
 from gateway.proxy.problem import problem
-from gateway.proxy.routing import request_host
+from gateway.config.http_names import request_host
 
 log = logging.getLogger("gateway.protocol")
 _NO_CALLBACKS = object()  # httptools only finds where a request ends: it needs none of them

@@ -26,7 +26,6 @@ from typing import Any
 from aiohttp import hdrs
 from multidict import CIMultiDict
 
-from gateway.proxy.access_log import PROCESS_LOG_SECRET
 from gateway.config.redaction import redacted_url
 from gateway.config.model import (
     Balance,
@@ -41,11 +40,13 @@ from gateway.config.model import (
     Route,
     UpstreamPool,
 )
+from gateway.identity.sources import ClientIdentity, IdentityKey, RouteIdentity
+from gateway.limiter.keys import PROCESS_SECRET
 from gateway.limiter.limiter import local_share
 from gateway.limiter.outcomes import concurrency_outcomes, rate_limit_outcomes
 from gateway.metrics import NO_TARGET, QUEUE_FULL, UNMATCHED_ROUTE, Children, Metrics
-from gateway.proxy.client_identity import ClientIdentity, IdentityKey, RouteIdentity
-from gateway.proxy.headers import GATEWAY_WRITTEN, cgi_name
+from gateway.config.http_names import cgi_name
+from gateway.proxy.headers import GATEWAY_WRITTEN
 from gateway.proxy.location import LocationRewrite
 from gateway.proxy.problem import (
     PROBLEM_CONTENT_TYPE,
@@ -94,7 +95,7 @@ class LimitPlan:
     cost: int
     decisions: Children  # gateway_limiter_decisions_total for this route and limit, by decision
     rejection: Rejection  # the answer when this limit denies
-    classified: bool  # the limit has tiers or an allowlist (gateway.proxy.tiers)
+    classified: bool  # the limit has tiers or an allowlist (gateway.identity.tiers)
 
 
 # Seconds a client refused by a concurrency limit is told to wait. Room comes back when
@@ -179,7 +180,7 @@ class RoutePlan:
     strip: PrefixStrip | None
     request_headers: HeaderRules | None  # None: the route rewrites no request header
     response_headers: HeaderRules | None
-    # CGI names (headers.cgi_name) of the request headers the route removes or sets and the
+    # CGI names (http_names.cgi_name) of the request headers the route removes or sets and the
     # gateway writes: a line that only reads as one of them (`X_Forwarded_For`) is dropped.
     cgi_written: frozenset[str]
     locations: LocationRewrite  # the upstream's own address in Location and Content-Location
@@ -191,7 +192,7 @@ class RoutePlan:
     enforced: tuple[int, ...]  # the indices in `limits` of those that are not shadow limits
     shadowed: bool  # some of the limits are shadow limits, which never reject
     shaping: bool  # some of the limits may delay a request (mode: delay) rather than reject it
-    classified: bool  # some of the limits have tiers or an allowlist (gateway.proxy.tiers)
+    classified: bool  # some of the limits have tiers or an allowlist (gateway.identity.tiers)
     identity: RouteIdentity  # what the limits read, and the headers Connection may not name
     fields: RateLimitFields  # the rate-limit fields of every response
     upstream_timeout: bytes  # the 504 body
@@ -277,7 +278,7 @@ class Plans:
     max_delayed: int  # requests one worker holds waiting out a mode: delay wait
     shed: Problem  # the 503 past max_in_flight
     not_found: Problem  # the 404 for a request no route takes
-    log_secret: bytes  # keys the identity hashes in the access log: store.key_secret, else PROCESS_LOG_SECRET
+    log_secret: bytes  # keys the identity hashes in the access log: store.key_secret, else PROCESS_SECRET
 
 
 def compile_plans(config: GatewayConfig, metrics: Metrics, states: Mapping[str, TargetState]) -> Plans:
@@ -307,7 +308,7 @@ def compile_plans(config: GatewayConfig, metrics: Metrics, states: Mapping[str, 
             503, "Service Unavailable", "The gateway has as many requests in flight as it takes; retry shortly."
         ),
         not_found=Problem.of(404, "Not Found", "No route matches this request."),
-        log_secret=config.store.key_secret.encode() if config.store and config.store.key_secret else PROCESS_LOG_SECRET,
+        log_secret=config.store.key_secret.encode() if config.store and config.store.key_secret else PROCESS_SECRET,
     )
 
 

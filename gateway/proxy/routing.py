@@ -17,7 +17,7 @@ condition reads that header's one line, a query condition the parameter's one
 value, decoded. Both are what the client chose to send, so a route they select
 should not be more lenient than the route the client would take without them;
 and what a condition matched must be exactly what the upstream receives. So,
-as for identity sources (gateway.proxy.client_identity), a header or query
+as for identity sources (gateway.identity.values), a header or query
 parameter a condition reads is refused with 400 (ConditionRejected) when it is
 given twice (first-value and last-value readers would see different values
 from the gateway's), when it holds characters outside visible ASCII (the
@@ -41,7 +41,7 @@ from multidict import CIMultiDict, CIMultiDictProxy, MultiMapping
 from yarl import URL
 
 from gateway.config.model import Match, PathForm, ValueMatch
-from gateway.proxy.headers import cgi_name
+from gateway.config.http_names import cgi_name
 
 WILDCARD = "*."
 
@@ -98,16 +98,6 @@ class Router(Generic[R]):
             if conditions is None or _all_hold(conditions, host, path, headers, target):
                 return route
         return None
-
-
-def request_host(host: str) -> str:
-    """A Host header as routes match it: lower case, without its port, and without the
-    trailing dot of a fully qualified name, which names the same host (`api.example.com.`)."""
-    host = host.lower()
-    if host.startswith("["):
-        return host.partition("]")[0] + "]"
-    host = host.rpartition(":")[0] if ":" in host else host
-    return host.removesuffix(".")
 
 
 def _all_hold(conditions: tuple[_Condition, ...], host: str, path: str, headers: MultiMapping[str], target: URL) -> bool:
@@ -216,7 +206,7 @@ def _query_condition(condition: ValueMatch) -> _Condition:
 
 def _visible(value: str) -> bool:
     """Non-empty `value` is visible ASCII, spaces only inside: read by the upstream as by us
-    (the same rule as client_identity's, which imports this module)."""
+    (the same rule as gateway.identity.values', whose package imports this module)."""
     return value.isascii() and value.isprintable() and value[0] != " " and value[-1] != " "
 
 

@@ -11,7 +11,7 @@ the N right-most entries were written by trusted hops, and the N-th from the
 right is the client whatever its address. Header, query and cookie values are
 whatever the client sent; they are only ever hashed (`gateway.limiter.keys`),
 never used as keys. A `jwt:CLAIM` is believed only from a token that verifies
-(`jwt_identity`). `path` is the matched route's configured path, never the
+(`gateway.identity.jwt`). `path` is the matched route's configured path, never the
 request's, and `method` is one of a fixed set, so neither lets a client mint
 buckets; `host` is the Host header, as routes match it, and is as much the
 client's choice as any header unless the route names its host.
@@ -23,10 +23,15 @@ name), a value outside visible ASCII (which one parser reads as another
 value, or drops), a `Connection` header naming an identity header (which
 would be stripped as hop-by-hop), or a header whose name differs from an
 identity header's only by `_` for `-` (CGI and WSGI servers read both as
-HTTP_X_API_KEY) is rejected with 400, never normalised.
+HTTP_X_API_KEY) is rejected with 400, never normalised (a header, query or
+cookie value is read by `gateway.identity.values`).
 Only the sources read to find a limit's identity are judged, and only on
 routes with limits. X-Forwarded-For and the gateway's own forwarding
 headers are never stripped on the client's say (`headers.end_to_end`).
+
+`part_value` turns what a request carried for one source into the value keyed
+on; the admin API reads an operator's values through it too (`identity_value`),
+so it names exactly the bucket the proxy charges.
 """
 
 from __future__ import annotations
@@ -35,19 +40,23 @@ import dataclasses
 import functools
 import ipaddress
 import re
-import string
-import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from gateway.config.model import ClientIpHeader, ClientIpStrategy, IdentitySource, IPNetwork, JwtConfig
-from gateway.metrics import method_label
-from gateway.proxy.headers import cgi_name
-from gateway.proxy.jwt_identity import JwtVerifier, bearer_token, claim_value
-from gateway.proxy.routing import request_host
+from gateway.config.http_names import cgi_name, request_host
+from gateway.config.model import (
+    ClientIpHeader,
+    ClientIpStrategy,
+    IdentitySource,
+    IPNetwork,
+    JwtConfig,
+)
+from gateway.identity.jwt import JwtVerifier, bearer_token, claim_value
+from gateway.identity.methods import method_label
+from gateway.identity.values import IdentityRejected, sent_value, single_header
 
 # Addresses remembered with their parsed form and trust, so a returning client costs a
 # dict hit instead of an ipaddress parse and format (~3 µs). Bounded because clients
@@ -62,19 +71,6 @@ GLOBAL_VALUE = "*"  # the one value of `global`, which every request shares
 # tens to a few hundred characters. A client choosing 8 KB keys would otherwise make the
 # gateway hold 8 KB per key it remembers (denial cache, leases, the admin's top list).
 MAX_IDENTITY_LENGTH = 1024
-
-
-class IdentityRejected(Exception):
-    """The client's identity cannot be read as the upstream would read it; the request is
-    answered with `status` and never charged. `detail` names config, never client bytes."""
-
-    status = 400
-    title = "Bad Request"
-    headers: Mapping[str, str] | None = None
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(detail)
-        self.detail = detail
 
 
 class IdentityTooLong(IdentityRejected):
@@ -150,6 +146,53 @@ def _reading(source: IdentitySource) -> int:
     if source.kind == "header":
         return _HEADER
     return _OTHER
+
+
+def part_value(source: IdentitySource, sent: str) -> str:
+    """The value a single (not composite) source is keyed on, from what the request carried
+    for it: the client's address as the gateway writes it (`ip`), the method, the Host
+    header, the route's configured path, or the header, query, cookie or claim value.
+    Empty when the source is absent."""
+    kind = source.kind
+    if kind == "ip":
+        return ip_group(sent, source.ipv4_prefix, source.ipv6_prefix)
+    if kind == "method":
+        return method_label(sent)
+    if kind == "host":
+        return request_host(sent)
+    if kind == "global":
+        return GLOBAL_VALUE
+    return sent
+
+
+def identity_value(source: IdentitySource, sent: Sequence[str]) -> str:
+    """The value a request that carried `sent` (one per leaf of `source`, in order, each
+    non-empty) would be keyed on: the admin API's reading of an operator's values. An
+    address may be written as a client's would arrive (with a port, IPv4-mapped) and a
+    method in any case; ValueError if an `ip` value is not an address."""
+    if source.kind == "global":
+        return GLOBAL_VALUE
+    if _reading(source) == _CLIENT_IP:
+        return _address(sent[0])  # as identities() keys it: the address itself, not its /32
+    values = [part_value(part, _as_carried(part, value)) for part, value in zip(source.leaves, sent)]
+    return composite_value(values) if source.kind == "composite" else values[0]
+
+
+def _as_carried(source: IdentitySource, value: str) -> str:
+    """An operator's value for `source` as a request carries it to part_value."""
+    if source.kind == "ip":
+        return _address(value)
+    if source.kind == "method":
+        return value.upper()
+    return value
+
+
+def _address(text: str) -> str:
+    """An address as the gateway writes a client's (`parse_ip`), or ValueError."""
+    address = parse_ip(text)
+    if address is None:
+        raise ValueError("The value of an ip source must be an IP address.")
+    return str(address)
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +317,7 @@ class ClientIdentity:
         for key in route.keys:
             identity = None
             for source, prefix, reading in key.sources:
+                # The two common readings inline: what part_value gives for them.
                 if reading == _CLIENT_IP:
                     value: str | None = client_ip
                 elif reading == _HEADER:
@@ -294,9 +338,8 @@ class ClientIdentity:
     def _read(
         self, request: web.BaseRequest, source: IdentitySource, route: RouteIdentity, client_ip: str, claims: list[Any]
     ) -> str | None:
-        """The value of one source for this request, or None when it is absent."""
-        kind = source.kind
-        if kind == "composite":
+        """The value of one source for this request; None or empty when it is absent."""
+        if source.kind == "composite":
             values = []
             for part in source.parts:
                 value = self._read(request, part, route, client_ip, claims)
@@ -304,21 +347,29 @@ class ClientIdentity:
                     return None  # the entry is present only with all its parts
                 values.append(value)
             return composite_value(values)
+        sent = self._carried(request, source, route, client_ip, claims)
+        return part_value(source, sent) if sent is not None else None
+
+    def _carried(
+        self, request: web.BaseRequest, source: IdentitySource, route: RouteIdentity, client_ip: str, claims: list[Any]
+    ) -> str | None:
+        """What the request carried for one single source, before part_value keys it; None when absent."""
+        kind = source.kind
         if kind == "ip":
-            return ip_group(client_ip, source.ipv4_prefix, source.ipv6_prefix)
+            return client_ip
         if kind == "global":
             return GLOBAL_VALUE
         if kind == "path":
             return route.path
         if kind == "method":
-            return method_label(request.method)
+            return request.method
         if kind == "host":
-            return request_host(request.headers.get("Host", "")) or None
+            return request.headers.get("Host", "")
         if kind == "jwt":
             if claims[0] is _UNREAD:
                 claims[0] = self._claims(request)
             return claim_value(claims[0], source.name) if claims[0] is not None else None
-        return _value(request, source)
+        return sent_value(request, source)
 
     def _claims(self, request: web.BaseRequest) -> Mapping[str, Any] | None:
         """The verified claims of the request's bearer token; None without a valid one."""
@@ -375,124 +426,3 @@ def _unquoted(value: str) -> str:
     if len(value) >= 2 and value[0] == value[-1] == '"':
         return re.sub(r"\\(.)", r"\1", value[1:-1])
     return value.strip('"')
-
-
-def single_header(request: web.BaseRequest, name: str, shown: str) -> str | None:
-    """The header `name` (lower case), or None; IdentityRejected if it is given twice or holds
-    characters outside visible ASCII, which the upstream might read otherwise."""
-    values = request.headers.getall(name, ())
-    if len(values) == 1 and _visible_or_empty(values[0]):
-        return values[0] or None  # the usual case, without forming the name an error would show
-    return _only(values, f"The {shown} header") or None
-
-
-def _only(values: Sequence[str], shown: str) -> str | None:
-    """The one value given, checked to be visible ASCII; None when there is none."""
-    if not values:
-        return None
-    if len(values) > 1:
-        raise _given_twice(shown)
-    value = values[0]
-    if value and not _visible(value):
-        raise _not_visible(shown)
-    return value
-
-
-def _value(request: web.BaseRequest, source: IdentitySource) -> str | None:
-    if source.kind == "header":
-        return single_header(request, source.name, source.name)
-    if source.kind == "query":
-        raw = request.rel_url.raw_query_string
-        if raw and (not _visible(raw) or " " in raw):
-            # Raw bytes outside ASCII are re-encoded on the way out: `?\x80key=a` has no `key`
-            # here, but may have one at the upstream.
-            raise _not_visible("The query string")
-        if ";" in raw and _named_after_semicolon(raw, source.name):
-            # Rack 2 and Python's parse_qs before 3.9.2 split a query on ";" too: to them
-            # `key=a&x=1;key=b` names the key twice, and the last one counts.
-            raise _given_twice(f"The query parameter {source.name!r}")
-        value = _only(request.rel_url.query.getall(source.name, ()), f"The query parameter {source.name!r}")
-        if value is None:
-            return None
-        if ";" in value:
-            # Some servers split a query on ";" too, and would read a different value.
-            raise IdentityRejected(f"The query parameter {source.name!r} contains ';'.")
-        return value or None
-    return _cookie(request, source.name)
-
-
-def _named_after_semicolon(query: str, name: str) -> bool:
-    """Whether a parameter called `name` follows a ";" in the raw `query`, where only servers
-    that split on ";" see it."""
-    return any(
-        urllib.parse.unquote_plus(piece.partition("=")[0]) == name
-        for pair in query.split("&")
-        for piece in pair.split(";")[1:]
-    )
-
-
-def _visible(value: str) -> bool:
-    """Whether non-empty `value` is visible ASCII, with spaces inside ("Bearer x") but not at
-    the ends, where HTTP parsers trim them: what the upstream reads exactly as the gateway
-    does. (str methods run in C; a regex took three times as long.)"""
-    return value.isascii() and value.isprintable() and value[0] != " " and value[-1] != " "
-
-
-def _visible_or_empty(value: str) -> bool:
-    return not value or _visible(value)
-
-
-def _given_twice(what: str) -> IdentityRejected:
-    return IdentityRejected(f"{what} appears more than once; it identifies the client, so it may appear once.")
-
-
-def _not_visible(what: str) -> IdentityRejected:
-    return IdentityRejected(f"{what} has characters outside visible ASCII; it identifies the client.")
-
-
-def _cookie(request: web.BaseRequest, name: str) -> str | None:
-    """The cookie called `name`, read as browsers send them (RFC 6265 §5.4): `name=value`
-    pairs split on ";". http.cookies gives up on the whole header at the first value it
-    dislikes (JSON, a space), which would silently key such clients by IP instead. A name
-    given twice is rejected: servers differ on whether the first or the last one counts; so
-    is the name percent-encoded, or a value escape no encoder writes (`%61`), since many
-    servers decode them."""
-    found: str | None = None
-    seen = False
-    for header in request.headers.getall("Cookie", ()):
-        # The whole line: a byte outside ASCII in another cookie's name could be dropped on
-        # the way out and make it `name`.
-        if header and not _visible(header):
-            raise _not_visible("The Cookie header")
-        for pair in header.split(";"):
-            key, sep, value = pair.partition("=")
-            key = key.strip()
-            if sep and "%" in key and key != name and urllib.parse.unquote(key) == name:
-                raise IdentityRejected(f"A cookie's name is {name!r} percent-encoded, which the upstream may decode.")
-            if sep and key == name:
-                if seen:
-                    raise _given_twice(f"The cookie {name!r}")
-                seen = True
-                value = value.strip()
-                if len(value) >= 2 and value[0] == value[-1] == '"':
-                    value = value[1:-1]
-                if "%" in value and _needless_escape(value):
-                    raise IdentityRejected(
-                        f"The cookie {name!r} has a percent-encoded letter, digit, '-', '.' or '_', or a "
-                        "lower-case escape; the upstream may decode it to another client's value."
-                    )
-                found = value
-    return found or None
-
-
-# An escape no cookie encoder writes (encodeURIComponent, PHP's urlencode, Rack's escape all
-# leave letters, digits, "-", "." and "_" alone and write upper-case hex), yet one that PHP
-# and Rack (names and values) and Express (values) decode: `sid=%61bc` is their session `abc`
-# in a bucket of its own, and each character escaped or not would give one session
-# 2^length buckets. Escapes an encoder does write (`s%3A...`) stay as they are.
-_ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})")
-_NEVER_ESCAPED = frozenset(string.ascii_letters + string.digits + "-._")
-
-
-def _needless_escape(value: str) -> bool:
-    return any(h != h.upper() or chr(int(h, 16)) in _NEVER_ESCAPED for h in _ESCAPE.findall(value))

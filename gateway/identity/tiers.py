@@ -1,6 +1,6 @@
 """Which limit a client is held to: none (it is allowlisted), its tier's, or the limit itself.
 
-Trusts the config and the identity `client_identity` read. A tier header is
+Trusts the config and the identity gateway.identity.sources read. A tier header is
 believed only when the connecting peer is a trusted proxy: the authenticator in
 front sets it, and must overwrite any the client sent; from any other peer it
 is ignored and the client gets the default tier, so a client can never name
@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from gateway.config.model import Limit
+from gateway.identity.sources import parse_ip
+from gateway.identity.values import single_header
 from gateway.limiter.limiter import Decision, LimitStatus
 from gateway.limiter.outcomes import ALLOWLISTED
 from gateway.limiter.store import LimitCheck
-from gateway.proxy.client_identity import parse_ip, single_header
-
 
 
 def held_to(limit: Limit, identity: str, client_ip: str, tier_header: str | None) -> Limit | None:
