@@ -14,13 +14,13 @@ from gateway.admin import admin_app
 from gateway.config import ConfigError, load_config, tls
 from gateway.config.model import GatewayConfig
 from gateway.limiter.limiter import Limiter
-from gateway.limiter.store import StoreError, refusal
 from gateway.limiter.memory_store import MemoryStore
-from gateway.stores import make_store
+from gateway.limiter.store import StoreError, refusal
 from gateway.limiter.worker_resets import WorkerResets
 from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics, breaker_gauge_setter
 from gateway.proxy.handler import ProxyHandler
 from gateway.proxy.protocol import PublicServer
+from gateway.stores import make_store
 
 log = logging.getLogger(__name__)
 

@@ -150,9 +150,8 @@ def describe(config: GatewayConfig) -> str:
     """What `gateway check` prints: the routes and limits as the gateway understood them."""
     from gateway.config.model import ResponseStyle
     from gateway.config.redaction import redacted_url
-    from gateway.proxy.routing import shadowed
-
     from gateway.limiter.memory_store import ENTRY_BYTES
+    from gateway.proxy.routing import shadowed
 
     held = f"{config.local_store_memory / 1024 / 1024:g} MiB, about {config.local_store_memory // ENTRY_BYTES:,} buckets"
     store = f"in-process (one process only), {held}"
@@ -230,7 +229,8 @@ def describe(config: GatewayConfig) -> str:
         options.append(f"timeout connect {route.timeout.connect:g}s read {route.timeout.read:g}s")
         if route.timeout.total is not None:
             options.append(f"total {route.timeout.total:g}s")
-        lines.append(f"  [{i}] {route.label} -> {redacted_url(route.upstream) if isinstance(route.upstream, str) else route.upstream}: {limits}; {', '.join(options)}")
+        upstream = redacted_url(route.upstream) if isinstance(route.upstream, str) else route.upstream
+        lines.append(f"  [{i}] {route.label} -> {upstream}: {limits}; {', '.join(options)}")
     for later, earlier in shadowed(config.routes):
         lines.append(
             f"warning: routes[{later}] ({config.routes[later].label}) is never reached: routes[{earlier}] "

@@ -3,6 +3,8 @@ so a newcomer sees 200s turn into 429s without any other server."""
 
 from __future__ import annotations
 
+import contextlib
+
 from aiohttp import web
 
 from gateway.config.model import GatewayConfig
@@ -41,8 +43,6 @@ def run_demo(config: GatewayConfig, upstream_address: str) -> int:
         address = parse_address(upstream_address)
     except ValueError as exc:
         raise StartupError(f"--upstream: {exc}") from None
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # SIGINT while starting, before serve() handles it
         run_event_loop(_demo(config, address))
-    except KeyboardInterrupt:
-        pass  # SIGINT while starting, before serve() handles it
     return 0

@@ -62,7 +62,7 @@ STATUS_CLASSES = tuple(f"{digit}xx" for digit in range(10))
 class CounterValue:
     """One counter series: `inc` adds, with no lock (see the module docstring)."""
 
-    __slots__ = ("value", "created")
+    __slots__ = ("created", "value")
 
     def __init__(self) -> None:
         self.value = 0
@@ -88,7 +88,7 @@ class GaugeValue:
 class HistogramValue:
     """One histogram series: a count per bucket, summed into cumulative buckets only at scrape time."""
 
-    __slots__ = ("_bounds", "counts", "sum", "created")
+    __slots__ = ("_bounds", "counts", "created", "sum")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self._bounds = bounds
@@ -107,7 +107,7 @@ class PlainMetric(abc.ABC):
     Binds children as prometheus_client's metrics do (`labels`, `remove`), so `Children`
     and the plans hold either kind alike."""
 
-    __slots__ = ("name", "documentation", "labelnames", "_values")
+    __slots__ = ("_values", "documentation", "labelnames", "name")
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
         self.name = name
@@ -200,7 +200,7 @@ class Children:
     method by every status class. Callers pass values from a bounded set (gateway.identity.methods.method_label,
     STATUS_CLASSES, decision outcomes), so the dict stays small."""
 
-    __slots__ = ("_metric", "_fixed", "_names", "_bound")
+    __slots__ = ("_bound", "_fixed", "_metric", "_names")
 
     def __init__(self, metric: PlainMetric | MetricWrapperBase, names: tuple[str, ...] = (), **fixed: str) -> None:
         self._metric = metric

@@ -7,6 +7,7 @@ Trusts the config it is given and the signals the process receives.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import multiprocessing
@@ -23,7 +24,6 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from gateway import __version__
-from gateway.proxy.access_log import close_access_log, enable_access_log
 from gateway.app import Gateway
 from gateway.config import ConfigError, load_config
 from gateway.config.model import GatewayConfig
@@ -33,6 +33,7 @@ from gateway.limiter.worker_resets import WorkerResets
 from gateway.listeners import StartupError, open_listeners, os_reason
 from gateway.log_lines import close_stderr_log, count_stderr_drops, stderr_line
 from gateway.metrics import reload_failures_counter
+from gateway.proxy.access_log import close_access_log, enable_access_log
 from gateway.proxy.protocol import request_parser
 
 log = logging.getLogger("gateway")
@@ -129,7 +130,8 @@ async def _watch_parent(supervisor: int, stop: asyncio.Event) -> None:
     (SIGKILL, the OOM killer) without passing a SIGTERM on. The worker then drains and
     exits as on SIGTERM, rather than serving on, orphaned, on the shared ports that the
     next `gateway run` would find taken."""
-    while os.getppid() == supervisor:
+    # Nothing signals a parent's death to its children; polling getppid is the portable way.
+    while os.getppid() == supervisor:  # noqa: ASYNC110
         await asyncio.sleep(WATCH_SECONDS)
     log.warning("the supervisor (pid %d) is gone: stopping", supervisor)
     stop.set()
@@ -182,12 +184,10 @@ def _run_loop(
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload before the loop serves: nothing to reload yet
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # SIGINT while starting, before serve() handles it: a stop like any other
         run_event_loop(
             serve(config, access_log=access_log, workers=workers, watch=watch, supervisor=supervisor, resets=resets)
         )
-    except KeyboardInterrupt:
-        pass  # SIGINT while starting, before serve() handles it: a stop like any other
 
 
 def _worker(config: GatewayConfig, access_log: str | None, watch: bool, supervisor: int, resets: WorkerResets) -> None:

@@ -24,8 +24,8 @@ from gateway.config.model import (
     Target,
     Tiers,
 )
-from gateway.config.regex import Regex
 from gateway.config.redaction import redacted_url
+from gateway.config.regex import Regex
 from gateway.config.units import Address, Rate
 
 REDACTED = "***"

@@ -13,8 +13,8 @@ from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from gateway.config.body_template import BodyTemplate
-from gateway.config.regex import Regex
 from gateway.config.redaction import redacted_url
+from gateway.config.regex import Regex
 from gateway.config.store_url import StoreTarget, parse_store_url
 from gateway.config.units import Address, Rate
 

@@ -42,7 +42,7 @@ import ipaddress
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from aiohttp import web
 
@@ -67,6 +67,7 @@ ADDRESS_MEMO_SIZE = 4096
 ADDRESS_MEMO_KEY_CHARS = 64
 _UNREAD: Any = object()  # a request's token claims, before anyone asked for them
 GLOBAL_VALUE = "*"  # the one value of `global`, which every request shares
+DEFAULT_STRATEGY = ClientIpStrategy()  # X-Forwarded-For from trusted proxies, as a config without `client_ip` says
 # The longest identity value a limit reads: API keys, session ids and JWT subjects are
 # tens to a few hundred characters. A client choosing 8 KB keys would otherwise make the
 # gateway hold 8 KB per key it remembers (denial cache, leases, the admin's top list).
@@ -85,7 +86,7 @@ class IdentityTooLong(IdentityRejected):
 class TokenRejected(IdentityRejected):
     status = 401
     title = "Unauthorized"
-    headers = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
+    headers: ClassVar[dict[str, str]] = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
 
 
 def parse_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -230,7 +231,7 @@ class ClientIdentity:
         self,
         trusted_proxies: Sequence[IPNetwork],
         jwt: JwtConfig | None = None,
-        strategy: ClientIpStrategy = ClientIpStrategy(),
+        strategy: ClientIpStrategy = DEFAULT_STRATEGY,
     ) -> None:
         self._trusted = tuple(trusted_proxies)
         self._strategy = strategy
@@ -303,7 +304,7 @@ class ClientIdentity:
                             "from; it would be removed before the upstream saw it."
                         )
         if route.aliased:
-            for line_name in request.headers.keys():
+            for line_name in request.headers:
                 if not route.underscored and "_" not in line_name:
                     continue
                 name = route.aliased.get(cgi_name(line_name))

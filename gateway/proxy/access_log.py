@@ -98,9 +98,19 @@ class AccessRecord:
     """What the handler learnt of one request, for its access line."""
 
     __slots__ = (
-        "started", "request_id", "identity", "secret", "route", "client", "checks", "decision", "upstream_status", "upstream_ms",
+        "admission",
+        "checks",
+        "client",
+        "decision",
+        "identity",
+        "lease_identities",
+        "request_id",
+        "route",
+        "secret",
+        "started",
+        "upstream_ms",
+        "upstream_status",
         "upstream_target",
-        "admission", "lease_identities",
     )
 
     def __init__(self, request_id: str, identity: ClientIdentity, secret: bytes) -> None:

@@ -110,16 +110,16 @@ def head_size(message: RawRequestMessage) -> int:
 
 class BoundedRequestHandler(RequestHandler):
     __slots__ = (
-        "_limits",
-        "_head_since",
-        "_head_bytes",
-        "_unmeasured",
         "_body",
         "_body_read_at",
-        "_watchdog",
-        "_watch_at",
-        "_refused",
+        "_head_bytes",
+        "_head_since",
+        "_limits",
         "_lingering",
+        "_refused",
+        "_unmeasured",
+        "_watch_at",
+        "_watchdog",
     )
 
     def __init__(self, manager: web.Server, *, limits: ClientLimits, **kwargs: Any) -> None:

@@ -30,9 +30,9 @@ from aiohttp.http import HttpVersion10
 from multidict import CIMultiDict
 from yarl import URL
 
+from gateway.metrics import NO_TARGET, QUEUE_FULL
 from gateway.proxy.access_log import AccessRecord
 from gateway.proxy.bounded_protocol import ClientLimitExceeded, hung_up
-from gateway.metrics import NO_TARGET, QUEUE_FULL
 from gateway.proxy.header_rewrite import rewrite_headers
 from gateway.proxy.problem import Problem, problem_response
 from gateway.proxy.route_plan import PoolPlan, RoutePlan, TargetPlan

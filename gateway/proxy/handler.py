@@ -25,8 +25,6 @@ from aiohttp import hdrs, web
 from aiohttp.http import HttpVersion11
 from multidict import CIMultiDict
 
-from gateway.proxy.access_log import ACCESS_RECORD, AccessRecord, request_id
-from gateway.proxy.bounded_protocol import CANCEL_ON_HANGUP, ClientLimitExceeded, hung_up
 from gateway.config.model import GatewayConfig
 from gateway.identity.methods import method_label
 from gateway.identity.sources import ClientIdentity
@@ -37,13 +35,15 @@ from gateway.limiter.limiter import UNLIMITED, Decision, Limiter
 from gateway.limiter.outcomes import ALLOW, FAIL_CLOSED, FAIL_OPEN, NO_ROOM, SKIPPED
 from gateway.limiter.store import LimitCheck
 from gateway.metrics import STATUS_CLASSES, Metrics
+from gateway.proxy.access_log import ACCESS_RECORD, AccessRecord, request_id
+from gateway.proxy.bounded_protocol import CANCEL_ON_HANGUP, ClientLimitExceeded, hung_up
 from gateway.proxy.forwarding import Upstream, forward, http_attempt, websocket_attempt
 from gateway.proxy.header_rewrite import rewrite_headers
 from gateway.proxy.headers import GATEWAY_WRITTEN, add_forwarded, drop_cgi_aliases, end_to_end
+from gateway.proxy.health_checks import HealthChecks
 from gateway.proxy.paths import NormalPath, PathRejected, normalize_path
 from gateway.proxy.problem import Answer, problem, problem_response
 from gateway.proxy.protocol import checked_host
-from gateway.proxy.health_checks import HealthChecks
 from gateway.proxy.ratelimit_headers import retry_after_seconds
 from gateway.proxy.route_plan import Plans, RoutePlan, compile_plans
 from gateway.proxy.routing import ConditionRejected

@@ -96,7 +96,7 @@ class HealthChecks:
         try:
             async with session.get(url, timeout=timeout, allow_redirects=False) as response:
                 return None if 200 <= response.status < 300 else f"status {response.status}"
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return f"no answer within {timeout.total:g}s"
         except aiohttp.ClientConnectorError as exc:
             return f"cannot connect: {exc.os_error.strerror or exc}"

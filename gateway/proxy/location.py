@@ -25,14 +25,13 @@ Trusts the config; the response headers come from the upstream the route names.
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
 from multidict import CIMultiDict
 
-from gateway.proxy.protocol import VALID_HOST
 from gateway.config.http_names import request_host
+from gateway.proxy.protocol import VALID_HOST
 from gateway.proxy.routing import WILDCARD
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}

@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import hdrs
 from multidict import CIMultiDict
 
-from gateway.config.redaction import redacted_url
+from gateway.config.http_names import cgi_name
 from gateway.config.model import (
     Balance,
     ConcurrencyLimit,
@@ -40,12 +40,12 @@ from gateway.config.model import (
     Route,
     UpstreamPool,
 )
+from gateway.config.redaction import redacted_url
 from gateway.identity.sources import ClientIdentity, IdentityKey, RouteIdentity
 from gateway.limiter.keys import PROCESS_SECRET
 from gateway.limiter.limiter import local_share
 from gateway.limiter.outcomes import concurrency_outcomes, rate_limit_outcomes
 from gateway.metrics import NO_TARGET, QUEUE_FULL, UNMATCHED_ROUTE, Children, Metrics
-from gateway.config.http_names import cgi_name
 from gateway.proxy.headers import GATEWAY_WRITTEN
 from gateway.proxy.location import LocationRewrite
 from gateway.proxy.problem import (

@@ -40,8 +40,8 @@ from typing import Generic, Protocol, TypeVar
 from multidict import CIMultiDict, CIMultiDictProxy, MultiMapping
 from yarl import URL
 
-from gateway.config.model import Match, PathForm, ValueMatch
 from gateway.config.http_names import cgi_name
+from gateway.config.model import Match, PathForm, ValueMatch
 
 WILDCARD = "*."
 
@@ -101,7 +101,8 @@ class Router(Generic[R]):
 
 
 def _all_hold(conditions: tuple[_Condition, ...], host: str, path: str, headers: MultiMapping[str], target: URL) -> bool:
-    for condition in conditions:
+    # A loop, not all() over a generator: this runs for every candidate route of every request.
+    for condition in conditions:  # noqa: SIM110
         if not condition(host, path, headers, target):
             return False
     return True
@@ -172,7 +173,7 @@ def _header_condition(condition: ValueMatch) -> _Condition:
             token.strip().lower() == name for line in headers.getall("Connection") for token in line.split(",")
         ):
             raise ConditionRejected(f"The Connection header names {name}; {_CHOSEN}.")
-        if any("_" in n and cgi_name(n) == alias and n.lower() != name for n in headers.keys()):
+        if any("_" in n and cgi_name(n) == alias and n.lower() != name for n in headers):
             raise ConditionRejected(f"A header's name reads as {name} under CGI rules (`_` for `-`); {_CHOSEN}.")
         return fits(value)
 

@@ -109,7 +109,7 @@ class UpstreamResponse:
     """The status line and end-to-end headers of an upstream's answer (hop-by-hop fields,
     and those its Connection names, removed), and its body as it arrives."""
 
-    __slots__ = ("status", "reason", "headers", "_connection")
+    __slots__ = ("_connection", "headers", "reason", "status")
 
     def __init__(self, status: int, reason: str, headers: CIMultiDict[str], connection: _Connection) -> None:
         self.status = status

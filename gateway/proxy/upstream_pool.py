@@ -51,7 +51,7 @@ def retry_allowed(outcome: Outcome, *, retries_used: int, retries: int, remainin
 class TargetState:
     """One target's requests in flight, passive ejection and active health."""
 
-    __slots__ = ("passive", "health", "in_flight", "healthy", "ejected_until", "_failures", "_passes", "_fails")
+    __slots__ = ("_fails", "_failures", "_passes", "ejected_until", "health", "healthy", "in_flight", "passive")
 
     def __init__(self, passive: PassiveEjection | None, health: HealthCheck | None) -> None:
         self.passive = passive
@@ -132,7 +132,7 @@ class TargetStates:
 class Balancer:
     """Picks one target of a pool among those available now and not yet tried by the request."""
 
-    __slots__ = ("_states", "_weights", "_current", "_pick", "_rng")
+    __slots__ = ("_current", "_pick", "_rng", "_states", "_weights")
 
     def __init__(
         self,

@@ -11,6 +11,7 @@ sending the request until the upstream's response has been passed on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 
 
@@ -57,7 +58,5 @@ class UpstreamSlots:
         self._free += 1
 
     def _remove(self, waiter: asyncio.Future[None]) -> None:
-        try:
+        with contextlib.suppress(ValueError):
             self._waiters.remove(waiter)
-        except ValueError:
-            pass

@@ -75,7 +75,7 @@ async def proxy_websocket(
         detail = f"Cannot open a WebSocket to the upstream: {type(exc).__name__}."
         reason = str(exc.os_error.strerror or exc)  # an untrusted certificate's [SSL: ...] too
         raise WebSocketConnectFailed(problem(502, "Bad Gateway", detail, headers=limit_headers), reason) from None
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return timed_out  # connected, but no handshake answer within timeout.read
     except aiohttp.WSServerHandshakeError as exc:
         answered(exc.status, time.perf_counter() - sent)
