@@ -94,14 +94,15 @@ class QueuedLines(logging.Handler):
 
     def _write_lines(self) -> None:
         while True:
-            lines = [self._lines.get()]
-            while lines[-1] is not None and not self._lines.empty():
-                lines.append(self._lines.get())
-            end = lines[-1] is None  # close()'s mark: the lines before it are the last
-            if end:
-                lines.pop()
+            lines: list[str] = []
+            line = self._lines.get()
+            while line is not None:
+                lines.append(line)
+                if self._lines.empty():
+                    break
+                line = self._lines.get()
             self._write(lines)
-            if end:
+            if line is None:  # close()'s mark: the lines before it are the last
                 return
 
     def _write(self, lines: list[str]) -> None:

@@ -170,7 +170,7 @@ class Quota:
     """A fixed-window quota: `limit` per `per` window, the windows starting at `reset`
     seconds past midnight UTC (see gateway.limiter.quota)."""
 
-    limit: int
+    limit: float  # whole as configured; a share under `on_store_error: local` may be a fraction
     per: str  # "hour" | "day" | "week" | "month"
     reset: float  # seconds into the UTC day at which windows start
 

@@ -60,7 +60,15 @@ from gateway.limiter.outcomes import (
     SHADOW_LIMITED,
     SKIPPED,
 )
-from gateway.limiter.store import BucketReading, LimitCheck, Store, StoreDecision, StoreError, StoreNotConnected
+from gateway.limiter.store import (
+    BucketReading,
+    LimitCheck,
+    SharedStore,
+    Store,
+    StoreDecision,
+    StoreError,
+    StoreNotConnected,
+)
 from gateway.limiter.top_limited import TopLimited
 from gateway.limiter.worker_resets import WorkerResets
 
@@ -161,6 +169,8 @@ class Limiter:
         """`resets`: with several workers, the log of bucket resets they share. `local_store`
         makes each in-process stand-in of `on_store_error: local`."""
         self.store = store
+        # The store that leases tokens and takes them back: a shared one only, found once.
+        self._shared = store if isinstance(store, SharedStore) else None
         self._resets = resets
         self.leases = Leases() if shared_store else None
         if not shared_store:
@@ -291,8 +301,8 @@ class Limiter:
     async def _lease_from_store(self, check: LimitCheck) -> StoreDecision:
         """A refill: the store takes up to `lease` tokens, the cost for this request and the
         rest for the lease. Its answer reads as a check of that one bucket."""
-        assert self.leases is not None
-        grant = await self.store.lease(check, max(check.limit.lease, check.cost))
+        assert self.leases is not None and self._shared is not None
+        grant = await self._shared.lease(check, max(check.limit.lease, check.cost))
         if grant.allowed:
             self.leases.grant(check, grant.granted - check.cost, grant.remaining, time.monotonic())
         return StoreDecision(allowed=grant.allowed, remaining=(grant.remaining,), retry_after=grant.retry_after, resets=(None,))
@@ -311,8 +321,9 @@ class Limiter:
         task.add_done_callback(self._refunds.discard)
 
     async def _send_refund(self, check: LimitCheck, tokens: int) -> None:
+        assert self._shared is not None  # only a lease's tokens are refunded
         try:
-            await self.store.refund(check, tokens)
+            await self._shared.refund(check, tokens)
         except StoreError as exc:
             self._refund_lost(check, tokens, exc)
 
@@ -411,8 +422,8 @@ class Limiter:
         now = time.monotonic()
         if now - self._last_failure_log >= FAILURE_LOG_INTERVAL:
             self._last_failure_log = now
-            policies = ", ".join(f"{c.limit.name}={c.limit.on_store_error.value}" for c in checks)
-            log.warning("store failed, applying failure policies (%s): %s", policies, exc)
+            named = ", ".join(f"{c.limit.name}={c.limit.on_store_error.value}" for c in checks)
+            log.warning("store failed, applying failure policies (%s): %s", named, exc)
         policies = [c.limit.on_store_error for c in checks]
         if FailurePolicy.CLOSED in policies:
             statuses = tuple(LimitStatus(c.limit, c.cost, None, FAILURE_OUTCOME[c.limit.on_store_error]) for c in checks)

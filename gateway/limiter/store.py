@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from gateway.config.model import ConcurrencyLimit, Limit
 
@@ -130,14 +130,6 @@ class Store(Protocol):
         requests that held them go on: a later release finds nothing, and a renewal takes the
         lease afresh if there is room. Raises StoreError."""
 
-    async def lease(self, check: LimitCheck, want: int) -> LeaseGrant:
-        """Take min(`want`, whole tokens held) from one bucket, at least the check's cost, or
-        nothing if it holds less than the cost. Shared stores only. Raises StoreError."""
-
-    async def refund(self, check: LimitCheck, tokens: int) -> None:
-        """Give `tokens` leased for the check's bucket back to it, never past its capacity.
-        Shared stores only. Raises StoreError."""
-
     async def read(self, limit: Limit, identity: str) -> BucketReading:
         """The bucket of `limit` for `identity` ("source=value"), without charging it. Raises StoreError."""
 
@@ -149,3 +141,18 @@ class Store(Protocol):
 
     async def close(self) -> None:
         """Release connections."""
+
+
+@runtime_checkable
+class SharedStore(Store, Protocol):
+    """A store the fleet shares (Redis), which also leases tokens to a gateway process. The
+    in-process store does not: its buckets are this process's own, and the config refuses
+    a `lease` without a shared `store`."""
+
+    async def lease(self, check: LimitCheck, want: int) -> LeaseGrant:
+        """Take min(`want`, whole tokens held) from one bucket, at least the check's cost, or
+        nothing if it holds less than the cost. Raises StoreError."""
+
+    async def refund(self, check: LimitCheck, tokens: int) -> None:
+        """Give `tokens` leased for the check's bucket back to it, never past its capacity.
+        Raises StoreError."""

@@ -59,7 +59,7 @@ class Leases:
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
         self._max_entries = max_entries
         self._held: dict[_Key, Lease] = {}  # in grant order: the eviction order
-        self._refills: dict[_Key, asyncio.Future[None]] = {}
+        self._refills: dict[_Key, asyncio.Future[bool]] = {}
 
     def __len__(self) -> int:
         return len(self._held)

@@ -22,6 +22,8 @@ _PROBLEM_CONTENT_TYPE_HEADER = PROBLEM_CONTENT_TYPE + "; charset=utf-8"
 _BLANK = "\x00"
 _BLANK_JSON = json.dumps(_BLANK)[1:-1].encode()
 
+# The default problem type (RFC 9457 §4.2.1): the status alone says what happened.
+ABOUT_BLANK = "about:blank"
 # The problem types draft-ietf-httpapi-ratelimit-headers registers, each with the member
 # "violated-policies": the names of the limits (policies) concerned.
 QUOTA_EXCEEDED = "https://iana.org/assignments/http-problem-types#quota-exceeded"
@@ -60,7 +62,7 @@ def answer(
     return Answer(status, body, real)
 
 
-def problem_body(status: int, title: str, detail: str, *, kind: str = "about:blank", **extra: object) -> bytes:
+def problem_body(status: int, title: str, detail: str, *, kind: str = ABOUT_BLANK, **extra: object) -> bytes:
     """`kind`: the problem's type URI; about:blank says the status alone tells what happened."""
     body = {"type": kind, "title": title, "status": status, "detail": detail, **extra}
     return json.dumps(body).encode()
@@ -75,9 +77,15 @@ def problem_response(status: int, body: bytes, *, headers: Mapping[str, str] | N
 
 
 def problem(
-    status: int, title: str, detail: str, *, headers: Mapping[str, str] | None = None, **extra: object
+    status: int,
+    title: str,
+    detail: str,
+    *,
+    headers: Mapping[str, str] | None = None,
+    kind: str = ABOUT_BLANK,
+    **extra: object,
 ) -> web.Response:
-    return problem_response(status, problem_body(status, title, detail, **extra), headers=headers)
+    return problem_response(status, problem_body(status, title, detail, kind=kind, **extra), headers=headers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +97,8 @@ class Problem:
     fixed: CIMultiDict[str]
 
     @classmethod
-    def of(cls, status: int, title: str, detail: str, **extra: object) -> Problem:
-        body = problem_body(status, title, detail, **extra)
+    def of(cls, status: int, title: str, detail: str, *, kind: str = ABOUT_BLANK, **extra: object) -> Problem:
+        body = problem_body(status, title, detail, kind=kind, **extra)
         return cls(status=status, body=body, fixed=answer_headers(_PROBLEM_CONTENT_TYPE_HEADER, body))
 
     def response(self, headers: Mapping[str, str] | None = None) -> web.Response:
@@ -106,9 +114,9 @@ class ProblemTemplate:
     tail: bytes
 
     @classmethod
-    def of(cls, status: int, title: str, detail: str, **extra: object) -> ProblemTemplate:
+    def of(cls, status: int, title: str, detail: str, *, kind: str = ABOUT_BLANK, **extra: object) -> ProblemTemplate:
         """`detail` holds "{}" where each body's value goes, or nothing for a fixed body."""
-        head, _, tail = problem_body(status, title, detail.format(_BLANK), **extra).partition(_BLANK_JSON)
+        head, _, tail = problem_body(status, title, detail.format(_BLANK), kind=kind, **extra).partition(_BLANK_JSON)
         return cls(head=head, tail=tail)
 
     def body(self, value: str = "") -> bytes:

@@ -156,6 +156,8 @@ class _UnsupportedVersionRequest(_Request):
 
 
 class _RequestHandler(BoundedRequestHandler):
+    _manager: PublicServer | None  # made only by PublicServer, as its handler_class
+
     def refused(self) -> None:
         if self._manager is not None:
             self._manager.refused()

@@ -20,7 +20,7 @@ store's to read.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from gateway.limiter.store import StoreError
@@ -35,19 +35,19 @@ REPLY_VALUES = 5
 
 # (slot, keys, args, batch) -> the batch itself, when the connection answers it (one node),
 # or an awaitable of the call's reply (a Cluster's redirects); may raise StoreError at once.
-Send = Callable[[int, list[Any], list[Any], "_Batch"], object]
+Send = Callable[[int, list[Any], list[Any], "Batch"], object]
 # (the call's error, slot, keys, args, checks) -> a second try's reply (EVAL after NOSCRIPT),
 # or None when the error stands.
 Recover = Callable[[StoreError, int, list[Any], list[Any], int], Awaitable[Any] | None]
 
 
-class _Batch:
+class Batch:
     """One script call's checks, and the connection's waiter for its reply: answered in the
     read that brings it, so each check's waiter wakes as a command's own future would."""
 
     __slots__ = ("slot", "keys", "args", "futures", "connection", "answered", "on_error")
 
-    def __init__(self, slot: int, connection: RedisConnection | None, on_error: Callable[[_Batch, BaseException], None]) -> None:
+    def __init__(self, slot: int, connection: RedisConnection | None, on_error: Callable[[Batch, BaseException], None]) -> None:
         self.slot = slot
         self.keys: list[Any] = []
         self.args: list[Any] = []
@@ -82,16 +82,16 @@ class CheckBatches:
         self._send = send
         self._connection_for = connection_for
         self._recover = recover
-        self._open: dict[int, _Batch] = {}
+        self._open: dict[int, Batch] = {}
 
-    def add(self, slot: int, keys: list[Any], args: list[Any]) -> asyncio.Future[Any]:
+    def add(self, slot: int, keys: Sequence[Any], args: Sequence[Any]) -> asyncio.Future[Any]:
         """Queue one check (its keys, and its ARGV as the script reads one check's); the
         future resolves to its five reply values. Raises StoreError at once when its
         connection is down or full."""
         batch = self._open.get(slot)
         if batch is None:
             connection = self._connection_for(slot)
-            batch = self._open[slot] = _Batch(slot, connection, self._failed)
+            batch = self._open[slot] = Batch(slot, connection, self._failed)
             if connection is not None:
                 connection.before_write(lambda: self._go(batch))
             else:
@@ -106,7 +106,7 @@ class CheckBatches:
             del self._open[slot]  # still sent by its callback; the next check opens another
         return future
 
-    def _go(self, batch: _Batch) -> None:
+    def _go(self, batch: Batch) -> None:
         if self._open.get(batch.slot) is batch:
             del self._open[batch.slot]
         futures = batch.futures
@@ -120,9 +120,10 @@ class CheckBatches:
             _fail(futures, exc)
             return
         if reply is not batch:
-            asyncio.ensure_future(reply).add_done_callback(lambda done: _settle(batch, done))  # type: ignore[arg-type]
+            assert isinstance(reply, Awaitable)  # a Cluster's, following redirects
+            asyncio.ensure_future(reply).add_done_callback(lambda done: _settle(batch, done))
 
-    def _failed(self, batch: _Batch, error: BaseException) -> None:
+    def _failed(self, batch: Batch, error: BaseException) -> None:
         """The call failed: NOSCRIPT is tried once more (EVAL), anything else fails every check."""
         retry = self._recover(error, batch.slot, batch.keys, batch.args, len(batch)) if isinstance(error, StoreError) else None
         if retry is None:
@@ -132,7 +133,7 @@ class CheckBatches:
         asyncio.ensure_future(retry).add_done_callback(lambda done: _settle(batch, done))
 
 
-def _settle(batch: _Batch, done: asyncio.Future[Any]) -> None:
+def _settle(batch: Batch, done: asyncio.Future[Any]) -> None:
     """A batch answered through an awaitable (a retry, a Cluster's redirects)."""
     if done.cancelled():
         _fail(batch.futures, StoreError("the store was closed"))

@@ -295,6 +295,6 @@ class RedisCluster:
             if connection not in owners and connection.pending == 0:
                 del self._connections[node]
                 asyncio.ensure_future(connection.close())
-        for connection in owners:
-            if connection is not None and not connection.connected:
-                connection.connect_soon()
+        for owner in owners:
+            if owner is not None and not owner.connected:
+                owner.connect_soon()

@@ -421,8 +421,11 @@ class RedisConnection:
         for reply in answers:
             if isinstance(reply, BaseException):
                 raise reply
-        if self._resolve is not None and answers[-1][0] != b"master":
-            raise StoreError(f"redis {address}: named as the master, but its role is {answers[-1][0].decode()}")
+        if self._resolve is not None:
+            role = answers[-1]
+            assert not isinstance(role, BaseException)  # raised above
+            if role[0] != b"master":
+                raise StoreError(f"redis {address}: named as the master, but its role is {role[0].decode()}")
 
     def _abort(self) -> None:
         transport, self._transport = self._transport, None

@@ -11,16 +11,17 @@ Trusts the target the config loader validated; every failure below is `StoreErro
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from gateway.config.model import StoreConfig
-from gateway.config.store_url import ClusterTarget, SentinelTarget, SingleTarget
+from gateway.config.store_url import ClusterTarget, SentinelTarget, SingleTarget, StoreTarget
 from gateway.redis import sentinel
 from gateway.redis.cluster import RedisCluster
 from gateway.redis.connection import RedisAddress, RedisConnection, Waiter, address_of
 
 
 def nodes_for(config: StoreConfig, *, connect_timeout: float) -> OneNode | RedisCluster:
-    target = config.target
+    target: StoreTarget | None = config.target  # type: ignore[attr-defined]  # an InitVar that __post_init__ sets
     if isinstance(target, ClusterTarget):
         return RedisCluster(target, timeout=config.timeout, connect_timeout=connect_timeout, max_pending=config.max_pending)
     assert target is not None  # StoreConfig parses its url when it is not given the target
@@ -63,7 +64,7 @@ class OneNode:
 
     def execute(
         self, slot: int, *args: object, timeout: float | None = None, weight: int = 1, waiter: Waiter | None = None
-    ) -> Awaitable[object]:
+    ) -> Awaitable[Any]:
         return self.connection.execute(*args, timeout=timeout, weight=weight, waiter=waiter)
 
     async def on_every_master(self, *args: object, timeout: float) -> None:

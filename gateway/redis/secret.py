@@ -116,6 +116,7 @@ class FleetSecret:
             if isinstance(reply, BaseException):
                 raise reply
         value = replies[1]
+        assert not isinstance(value, BaseException)  # raised above
         if value is None:
             raise StoreError(f"{self._description}: the identity secret {self._name!r} vanished from Redis")
         self.value = value

@@ -49,7 +49,7 @@ async def master_address(service: SentinelTarget, *, timeout: float) -> RedisAdd
 async def _ask(host: str, port: int, command: tuple[str, ...]) -> object:
     reader, writer = await asyncio.open_connection(host, port)
     try:
-        writer.write(hiredis.pack_command(command))
+        writer.write(hiredis.pack_command(command))  # type: ignore[arg-type]  # hiredis's stub takes a 1-tuple
         parser = hiredis.Reader()
         while True:
             reply = parser.gets()

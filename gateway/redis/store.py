@@ -27,6 +27,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Sequence
+from typing import Any
 
 from gateway.config.model import ConcurrencyLimit, Limit, StoreConfig
 from gateway.config.redaction import redacted_url
@@ -48,9 +49,8 @@ from gateway.limiter.store import (
     StoreDecision,
     StoreError,
 )
-from gateway.redis.check_batches import CheckBatches
+from gateway.redis.check_batches import Batch, CheckBatches
 from gateway.redis.cluster import RedisCluster, key_slot
-from gateway.redis.connection import Waiter
 from gateway.redis.nodes import nodes_for
 from gateway.redis.scripts import Scripts, is_noscript
 from gateway.redis.secret import FleetSecret
@@ -88,7 +88,7 @@ class RedisStore:
         self._config = config
         self.description = f"redis {redacted_url(config.url)}"
         self._scripts = Scripts.load()
-        self._args_cache: dict[tuple[int, int, float], tuple[Limit, tuple[bytes, bytes, bytes, bytes, bytes]]] = {}
+        self._args_cache: dict[tuple[int, int, float], tuple[Limit, tuple[bytes, ...]]] = {}
         self._keys_cache: dict[tuple[str, str], str] = {}
         self._keys_secret: bytes | None = None  # the secret the cached keys were hashed with
         self._lease_args_cache: dict[str, tuple[ConcurrencyLimit, tuple[bytes, bytes]]] = {}
@@ -153,7 +153,7 @@ class RedisStore:
         key = await self._lease_key(LeaseCheck(limit=limit, identity=identity, lease=""))
         reply = await self._redis.execute(key_slot(key), b"EVAL", LEASE_READ_SCRIPT, 1, key, timeout=self._setup_timeout)
         try:
-            scored, (seconds, micros) = reply  # type: ignore[misc]
+            scored, (seconds, micros) = reply
             now_ms = int(seconds) * 1000 + int(micros) // 1000  # as lua/concurrency_lease.lua reads it
             held = {scored[i]: float(scored[i + 1]) / 1000 for i in range(0, len(scored), 2)}
         except (TypeError, ValueError) as exc:
@@ -175,7 +175,7 @@ class RedisStore:
         _, capacity, rate, cost, _ = self._script_args(check)
         args = (capacity, rate, cost, str(want).encode())
 
-        async def lease_with(secret: bytes) -> object:
+        async def lease_with(secret: bytes) -> Any:  # the script's reply, as Redis sent it
             (key,) = self._keys((check,), secret)
             return await self._scripts.token_lease.call(
                 self._redis, key_slot(key), (key,), args, before_eval=self._fleet_secret.after_noscript
@@ -183,7 +183,7 @@ class RedisStore:
 
         reply = await self._fleet_secret.run(lease_with)
         try:
-            allowed, granted, remaining, retry_ms = reply  # type: ignore[misc]
+            allowed, granted, remaining, retry_ms = reply
             retry_ms = int(retry_ms)
             return LeaseGrant(
                 allowed=bool(allowed),
@@ -245,7 +245,9 @@ class RedisStore:
                 remaining[i], resets[i] = left, reset
             if not decision.allowed:
                 for i in charged:
-                    remaining[i] += checks[i].cost  # as found, before this request
+                    found = remaining[i]
+                    assert found is not None  # its slot answered
+                    remaining[i] = found + checks[i].cost  # as found, before this request
                 await self._refund([i for i in charged if checks[i].cost], checks, keys)
                 return StoreDecision(
                     allowed=False, remaining=tuple(remaining), retry_after=decision.retry_after, resets=tuple(resets)
@@ -276,7 +278,7 @@ class RedisStore:
             elif isinstance(outcome, BaseException):
                 raise outcome
 
-    def _send_checks(self, slot: int, keys: list[str], args: list[bytes], batch: Waiter) -> object:
+    def _send_checks(self, slot: int, keys: list[str], args: list[bytes], batch: Batch) -> object:
         """One script call carrying the checks of `batch` (`gateway.redis.check_batches`):
         queued now, so it goes in the connection's write under way. One node answers `batch`
         itself; a Cluster returns an awaitable that follows redirects."""
@@ -328,7 +330,7 @@ class RedisStore:
             self._lease_args_cache[limit.name] = cached = (limit, args)
         return cached[1]
 
-    def _script_args(self, check: LimitCheck) -> tuple[bytes, bytes, bytes, bytes, bytes]:
+    def _script_args(self, check: LimitCheck) -> tuple[bytes, ...]:
         """The kind and four values of one limit, formatted once per limit, cost and max_delay: a bucket's
         capacity, rate per second, cost and debt (max_delay × rate), or a quota's limit, period,
         cost and offset in ms (`gateway.limiter.bucket.spec_of`). Keyed by the limit object,
@@ -348,10 +350,10 @@ class RedisStore:
         return cached[1]
 
 
-def _decision(reply: object) -> StoreDecision:
+def _decision(reply: Any) -> StoreDecision:
     """The token-bucket script's reply: {allowed, {remaining, ...}, retry_after_ms, wait_ms, {reset_ms, ...}}."""
     try:
-        allowed, remaining, retry_ms, wait_ms, resets = reply  # type: ignore[misc]
+        allowed, remaining, retry_ms, wait_ms, resets = reply
         # hiredis gives the script's numbers as ints: compared and divided as they come.
         return StoreDecision(
             allowed=bool(allowed),
