@@ -75,7 +75,7 @@ class QueuedLines(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             line = self.format(record)
-        except Exception:
+        except Exception:  # noqa: BLE001 - logging's contract: a record that cannot be formatted is reported, never raised
             self.handleError(record)
         else:
             self.put(line)

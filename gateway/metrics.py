@@ -65,7 +65,7 @@ class CounterValue:
     __slots__ = ("created", "value")
 
     def __init__(self) -> None:
-        self.value = 0
+        self.value: float = 0
         self.created = time.time()  # its _created sample, as prometheus_client stamps a child
 
     def inc(self, amount: float = 1) -> None:
@@ -76,7 +76,7 @@ class GaugeValue:
     __slots__ = ("value",)
 
     def __init__(self) -> None:
-        self.value = 0
+        self.value: float = 0
 
     def inc(self, amount: float = 1) -> None:
         self.value += amount

@@ -1,6 +1,8 @@
 """Config documents that several test modules check."""
 
 # The reference example, exactly as first written: config/gateway.yaml without the interpolation.
+import itertools
+
 ISSUE_EXAMPLE = """\
 listen: 0.0.0.0:8080
 admin_listen: 127.0.0.1:9090
@@ -47,7 +49,7 @@ def alias_bomb(levels: int) -> str:
     so the file is a few hundred bytes and `routes` expands to 9**levels strings."""
     lines = ['a: &a ["x","x","x","x","x","x","x","x","x"]']
     names = "abcdefghijk"[: levels]
-    for previous, name in zip(names, names[1:]):
+    for previous, name in itertools.pairwise(names):
         lines.append(f"{name}: &{name} [{','.join([f'*{previous}'] * 9)}]")
     return "\n".join(lines) + f"\nroutes: [*{names[-1]}]\n"
 

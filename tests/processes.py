@@ -338,7 +338,8 @@ class GatewayProcess:
         read_stdout: bool = True,
         read_stderr: bool = True,
     ) -> None:
-        handle = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="gateway-test-", delete=False)
+        # Kept past the with: the gateway reads it, and a reload test rewrites it.
+        handle = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="gateway-test-", delete=False)  # noqa: SIM115
         with handle:
             handle.write(on_free_ports(config_text))
         self.config_path = Path(handle.name)

@@ -72,8 +72,8 @@ async def _read_until_closed(reader: asyncio.StreamReader, deadline: float) -> t
             chunk = await asyncio.wait_for(reader.read(65536), deadline - (time.monotonic() - started))
         except ConnectionResetError:
             break
-        except asyncio.TimeoutError:
-            raise AssertionError(f"the connection was still open after {deadline} s; got {bytes(data[:200])!r}")
+        except TimeoutError:
+            raise AssertionError(f"the connection was still open after {deadline} s; got {bytes(data[:200])!r}") from None
         if not chunk:
             break
         data += chunk
@@ -467,7 +467,7 @@ async def test_max_body_size_refuses_larger_bodies_with_413_before_the_upstream_
 
 
 async def test_a_route_without_max_body_size_streams_any_size(counting_upstream):
-    counter, url = counting_upstream
+    _counter, url = counting_upstream
     body = b"q" * 300_000
     async with running_gateway(_config(url)) as gw:
         async with _connection(gw.url) as (reader, writer):

@@ -261,7 +261,7 @@ def test_random_sequences_match_a_reference_written_from_the_rules_and_keep_the_
             assert outcome.allowed is allowed
             assert outcome.remaining == pytest.approx(remaining, rel=1e-9, abs=1e-9)
             assert outcome.retry_after == pytest.approx(retry_after, rel=1e-9, abs=1e-9)
-            for i, old, new, s in zip(indexes, before, outcome.states, step_specs):
+            for old, new, s in zip(before, outcome.states, step_specs):
                 assert 0.0 <= new.tokens <= s.capacity
                 if old is not None:
                     assert new.stamp >= old.stamp, "the stamp moved backwards"

@@ -20,8 +20,8 @@ from gateway.limiter.circuit_breaker import (
     CircuitBreaker,
 )
 from gateway.limiter.limiter import Limiter
-from gateway.redis.store import RedisStore
 from gateway.limiter.store import LimitCheck
+from gateway.redis.store import RedisStore
 from gateway.testing import running_gateway
 from tests.processes import RedisServer, eventually
 from tests.scrape import scrape, value

@@ -691,7 +691,7 @@ async def test_demo_serves_the_demo_upstream_until_429_with_ratelimit_headers(tm
                 assert await response.json() == {"report": "queued", "bytes": 3}
         assert [status for status, _, _ in results] == [200, 200, 200, 429]
         assert json.loads(results[0][2]) == {"hello": "world", "path": "/api/things"}
-        for status, headers, _ in results:
+        for _, headers, _ in results:
             assert headers["RateLimit-Policy"] == '"per_client";q=3;w=18'
             assert headers["RateLimit"].startswith('"per_client";r=')
         assert results[0][1]["RateLimit"].startswith('"per_client";r=2;')

@@ -103,7 +103,7 @@ routes:
 async def hang_up_after(url: str, path: str, ready) -> None:
     """Send GET `path` on a connection of its own, wait until `ready()`, then close it."""
     parts = urlsplit(url)
-    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    _reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
     writer.write(f"GET {path} HTTP/1.1\r\nHost: api\r\nX-API-Key: k\r\n\r\n".encode())
     await writer.drain()
     await eventually(ready, what="the upstream to have the request")

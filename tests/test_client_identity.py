@@ -16,9 +16,9 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from gateway.limiter.keys import DIGEST_BYTES, bucket_key, identity_digest
-from gateway.identity.sources import ADDRESS_MEMO_SIZE, ClientIdentity
 from gateway.config import ConfigError
+from gateway.identity.sources import ADDRESS_MEMO_SIZE, ClientIdentity
+from gateway.limiter.keys import DIGEST_BYTES, bucket_key, identity_digest
 from gateway.testing import config_from_yaml, running_gateway
 from tests.raw_client import echoed, echoed_headers, raw_request, request_bytes
 

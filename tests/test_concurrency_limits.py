@@ -133,7 +133,7 @@ async def test_a_concurrency_429_advertises_its_limit_in_concurrent_requests(red
 async def test_a_client_that_hangs_up_gives_its_lease_back(redis_server):
     async with gateway_on(redis_server.url) as (gateway, upstream, _, status):
         host, port = gateway.url.removeprefix("http://").split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
+        _reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(b"GET /held HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\n\r\n")
         await eventually(lambda: upstream.in_flight["k"] == 1, what="the request held upstream")
         assert await status("/fast") == 429
@@ -220,7 +220,7 @@ async def test_a_websocket_that_outlives_its_lease_ttl_keeps_its_lease(redis_ser
                 renewals = 0
                 last = expiry()
                 while time.monotonic() - opened < 3.5 * BRIEF_TTL:
-                    await eventually(lambda: expiry() > last, what="the lease renewed", deadline=BRIEF_TTL)
+                    await eventually(lambda last=last: expiry() > last, what="the lease renewed", deadline=BRIEF_TTL)
                     last = expiry()
                     renewals += 1
                     seconds, micros = client.time()

@@ -94,10 +94,10 @@ def _locations(node: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     found = [path]
     if isinstance(node, dict):
         for key, value in node.items():
-            found += _locations(value, path + (key,))
+            found += _locations(value, (*path, key))
     elif isinstance(node, list):
         for i, value in enumerate(node):
-            found += _locations(value, path + (i,))
+            found += _locations(value, (*path, i))
     return found
 
 

@@ -8,8 +8,8 @@ it would have allowed it. It never would have."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import collections
+import gc
 import random
 import time
 
@@ -21,9 +21,9 @@ from gateway.limiter.client_waves import ClientWaves, Wave
 from gateway.limiter.denial_cache import DenialCache, could_pass_in, held_until
 from gateway.limiter.keys import bucket_key, identity_digest
 from gateway.limiter.limiter import Limiter
+from gateway.limiter.store import LimitCheck, StoreError
 from gateway.redis.secret import SECRET_KEY_SUFFIX
 from gateway.redis.store import RedisStore
-from gateway.limiter.store import LimitCheck, StoreError
 from gateway.testing import config_from_yaml
 
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time

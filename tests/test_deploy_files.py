@@ -69,7 +69,7 @@ def container_config(objects: dict[str, dict[str, Any]]) -> GatewayConfig:
     assert volume["configMap"]["name"] == objects["ConfigMap"]["metadata"]["name"]
     text = objects["ConfigMap"]["data"][config_path.removeprefix(mount["mountPath"] + "/")]
     # A value from a secret is not in the manifests: a stand-in of a secret's length.
-    environ = {e["name"]: e["value"] if "value" in e else "s" * 32 for e in container["env"]}
+    environ = {e["name"]: e.get("value", "s" * 32) for e in container["env"]}
     return gateway_config(text, "configmap.yaml", environ)
 
 

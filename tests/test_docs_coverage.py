@@ -137,7 +137,7 @@ def test_the_readme_config_is_one_the_loader_takes():
 
 def test_retired_keys_are_still_refused():
     text = "store: {url: redis://127.0.0.1:1/0, max_connections: 8}\nroutes: [{match: {path: /}, upstream: http://a}]\n"
-    with pytest.raises(ConfigError, match="store.max_connections: no longer used"):
+    with pytest.raises(ConfigError, match=r"store\.max_connections: no longer used"):
         parse_config(text, source="gw.yaml", environ={})
 
 

@@ -62,7 +62,7 @@ async def test_connect_is_refused_whatever_its_target_form(target):
     try:
         async with running_gateway(config) as gw:
             request = f"CONNECT {target} HTTP/1.1\r\nHost: gw\r\n\r\nGET /api/after HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n"
-            status, headers, body = await raw_exchange(gw.url, request.encode())
+            status, _headers, body = await raw_exchange(gw.url, request.encode())
     finally:
         await runner.cleanup()
     assert status == 400, body
@@ -177,7 +177,7 @@ async def test_tls_min_version_refuses_older_clients(upstream, ca, certificate):
         host, port = gw.url.removeprefix("https://").split(":")
         with pytest.raises((ssl.SSLError, ConnectionResetError)):  # an alert, or a reset first
             await asyncio.open_connection(host, int(port), ssl=client_context(ca, maximum=ssl.TLSVersion.TLSv1_2))
-        reader, writer = await asyncio.open_connection(host, int(port), ssl=client_context(ca))
+        _reader, writer = await asyncio.open_connection(host, int(port), ssl=client_context(ca))
         assert writer.get_extra_info("ssl_object").version() == "TLSv1.3"
         writer.close()
         await writer.wait_closed()

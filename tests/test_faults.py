@@ -167,10 +167,8 @@ def client_connections(pid: int, port: int) -> int:
     """Established TCP connections of `pid` on local `port` (its public listener)."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
+        with contextlib.suppress(FileNotFoundError):  # closed since the listing
             inodes.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-        except FileNotFoundError:
-            pass  # closed since the listing
     count = 0
     with open(f"/proc/{pid}/net/tcp") as table:
         for row in itertools.islice(table, 1, None):

@@ -114,7 +114,7 @@ def fleet():
         return web.Response(text="ok")
 
     # The quota's window ends 12 hours from now, never during the test.
-    reset = (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=12)).strftime("%H:%M UTC")
+    reset = (datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=12)).strftime("%H:%M UTC")
     with contextlib.ExitStack() as stack:
         directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gateway-test-fleet-")))
         keys_file = directory / "keys.yaml"

@@ -243,7 +243,7 @@ async def test_leases_a_killed_master_held_are_released_on_its_replica_soon_afte
                 victim.stop()
                 counting.gate.set()
                 completed = await asyncio.gather(*tasks)
-                await eventually(lambda: replica in cluster.masters(), what="the replica promoted")
+                await eventually(lambda replica=replica: replica in cluster.masters(), what="the replica promoted")
                 promoted = time.monotonic()
                 key = concurrency_key(held)
                 await eventually(lambda: cluster.node_client(replica).zcard(key) == 0, what="the leases released")
@@ -290,7 +290,7 @@ async def test_concurrency_and_token_leases_stay_exact_after_a_script_flush_and_
             for master in old_masters:
                 replica = cluster.replica_of(master)
                 cluster.node_client(replica).execute_command("CLUSTER FAILOVER")
-                await eventually(lambda: replica in cluster.masters(), what="the replica promoted")
+                await eventually(lambda replica=replica: replica in cluster.masters(), what="the replica promoted")
             # The failover window: requests the failure policy answered, until Redis decides again.
             await eventually(lambda: decided_by_redis(http, gateway, "/fast", "conns"), what="conns decided again")
             await eventually(lambda: decided_by_redis(http, gateway, "/hot", "hot", "hot"), what="hot decided again")

@@ -198,7 +198,7 @@ async def test_a_request_in_gzip_transfer_coding_gets_501_and_reaches_no_upstrea
 async def test_an_upstream_response_in_gzip_transfer_coding_is_a_502(gw):
     # Relayed, the client got gzip bytes labelled as neither a transfer nor a content coding.
     url, _ = gw
-    status, headers, rest = split_head(await exchange(url, request("GET", "/gzip-coded", close=True)))
+    status, _headers, rest = split_head(await exchange(url, request("GET", "/gzip-coded", close=True)))
     assert status == 502
     assert json.loads(rest)["title"] == "Bad Gateway"
 

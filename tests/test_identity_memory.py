@@ -15,11 +15,11 @@ import tracemalloc
 import aiohttp
 import pytest
 
+from gateway.identity.sources import MAX_IDENTITY_LENGTH
 from gateway.limiter.denial_cache import DenialCache
 from gateway.limiter.keys import COMPACT_IDENTITY, memory_key
 from gateway.limiter.store import LimitCheck
 from gateway.limiter.token_leases import Leases
-from gateway.identity.sources import MAX_IDENTITY_LENGTH
 from gateway.testing import running_gateway
 from tests.processes import GatewayProcess
 from tests.test_denial_cache import limit

@@ -24,7 +24,8 @@ import aiohttp
 import pytest
 
 from tests.processes import GatewayProcess, eventually
-from tests.scrape import decisions as decisions_now, settled_decisions
+from tests.scrape import decisions as decisions_now
+from tests.scrape import settled_decisions
 from tests.upstream import CountingUpstream, serving
 
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time

@@ -14,12 +14,12 @@ import itertools
 import aiohttp
 import pytest
 
+from gateway.identity.sources import composite_value, forwarded_for, ip_group
+from gateway.identity.tiers import held_to, with_allowlisted
 from gateway.limiter.limiter import Decision, LimitStatus
 from gateway.limiter.outcomes import ALLOW, ALLOWLISTED, DELAYED
 from gateway.limiter.store import LimitCheck
-from gateway.identity.sources import composite_value, forwarded_for, ip_group
 from gateway.proxy.headers import forwarded_element
-from gateway.identity.tiers import held_to, with_allowlisted
 from gateway.testing import config_from_yaml, running_gateway
 from tests.scrape import decisions
 

@@ -23,8 +23,8 @@ import pytest
 
 from tests.helpers import script_calls
 from tests.processes import GatewayProcess, gateway_fleet
-from tests.upstream import RecordingUpstream, serving
 from tests.scrape import settled_decisions
+from tests.upstream import RecordingUpstream, serving
 
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 

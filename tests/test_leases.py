@@ -13,8 +13,8 @@ from gateway.config.model import StoreConfig
 from gateway.limiter import leases
 from gateway.limiter.concurrency import Concurrency
 from gateway.limiter.memory_store import MemoryStore
-from gateway.redis.store import RedisStore
 from gateway.limiter.store import LeaseCheck, LeaseDecision, Store
+from gateway.redis.store import RedisStore
 from gateway.testing import config_from_yaml
 from tests.processes import RedisCluster, RedisServer, eventually, free_port
 

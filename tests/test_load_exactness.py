@@ -22,8 +22,8 @@ import aiohttp
 import pytest
 
 from tests.examples import ONE_REDIS_LIMIT
-from tests.scrape import settled_decisions
 from tests.processes import GatewayProcess
+from tests.scrape import settled_decisions
 
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 

@@ -122,7 +122,7 @@ class TokenBucketAgainstModel(RuleBasedStateMachine):
         self.clock = start
         self.redis.set_clock(start)
         self.retry_ms = 0
-        for capacity, rate in limits:
+        for _capacity, rate in limits:
             coverage["rate <= 1e-5"] += rate <= 1e-5
             coverage["rate >= 1e5"] += rate >= 1e5
 

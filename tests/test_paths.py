@@ -296,7 +296,7 @@ async def test_strip_prefix_removes_the_matched_segments_from_the_forwarded_path
 
 
 async def test_strip_prefix_on_a_case_insensitive_route_strips_the_segments_as_sent(recorder):
-    upstream, seen = recorder
+    upstream, _seen = recorder
     config = f"""
 routes:
   - match: {{path: /svc/v1, case_sensitive: false}}

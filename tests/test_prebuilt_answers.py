@@ -12,11 +12,11 @@ import re
 from aiohttp import hdrs
 from multidict import CIMultiDict
 
-from gateway.proxy.access_log import IDS_PER_DRAW, request_id
-from gateway.config.units import Rate
-from gateway.config.model import FailurePolicy, Limit, ResponseStyle
 from gateway.config.body_template import parse_body_template
+from gateway.config.model import FailurePolicy, Limit, ResponseStyle
+from gateway.config.units import Rate
 from gateway.proxy import protocol
+from gateway.proxy.access_log import IDS_PER_DRAW, request_id
 from gateway.proxy.problem import Answer, Problem, problem_response
 from gateway.proxy.protocol import HOST_MEMO_SIZE, routed_host
 from gateway.proxy.route_plan import Rejection

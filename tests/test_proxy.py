@@ -25,7 +25,6 @@ from tests.scrape import scrape, value
 from tests.upstream import GZIP_TEXT, serving
 
 
-
 def passthrough_config(upstream: str, **route: str) -> str:
     """One catch-all route to `upstream`, with no limits unless `limits` is given."""
     extra = "".join(f"\n    {key}: {value}" for key, value in route.items())

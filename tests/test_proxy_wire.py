@@ -32,7 +32,7 @@ async def _bare(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
             lines = head.split(b"\r\n")
-            length = next((int(v) for n, _, v in (l.partition(b":") for l in lines) if n.lower() == b"content-length"), 0)
+            length = next((int(v) for n, _, v in (line.partition(b":") for line in lines) if n.lower() == b"content-length"), 0)
             body = await reader.readexactly(length)
             target = URL(lines[0].split(b" ")[1].decode())
             answer = b"b" * int(target.query["size"]) if target.path == "/bytes" else head + body
@@ -100,7 +100,7 @@ async def _expect_continue(url: str, path: str, body: bytes) -> tuple[bytes, byt
         writer.write(body)
         await writer.drain()
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), RAW_TIMEOUT)
-        length = int(next(l for l in head.split(b"\r\n") if l.lower().startswith(b"content-length:"))[15:])
+        length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))[15:])
         rest = head + await asyncio.wait_for(reader.readexactly(length), RAW_TIMEOUT)
     finally:
         writer.close()

@@ -22,7 +22,7 @@ from tests.lua_bridge import FakeRedis, LuaScript
 from tests.processes import RedisServer
 
 SCRIPT = load_script()
-UTC = datetime.timezone.utc
+UTC = datetime.UTC
 HOUR_MS = 3_600_000
 
 

@@ -27,7 +27,7 @@ import pytest
 from tests.processes import GatewayProcess, eventually, store_block_for
 from tests.scrape import settled_decisions
 
-UTC = datetime.timezone.utc
+UTC = datetime.UTC
 LIBFAKETIME = sorted(glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1"))
 
 CONFIG = """

@@ -20,9 +20,9 @@ import pytest
 import redis
 
 from gateway.limiter.keys import bucket_key, identity_digest
+from gateway.limiter.store import LimitCheck
 from gateway.redis.cluster import key_slot, parse_redirect
 from gateway.redis.store import RedisStore
-from gateway.limiter.store import LimitCheck
 from gateway.testing import config_from_yaml
 from tests.helpers import script_calls
 from tests.processes import GatewayProcess, RedisCluster, eventually, free_cluster_port

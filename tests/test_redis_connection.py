@@ -22,6 +22,7 @@ import hiredis
 import pytest
 import redis
 
+from gateway.limiter.store import StoreError
 from gateway.redis import connection as redis_connection
 from gateway.redis.connection import (
     DEFAULT_MAX_BATCH,
@@ -29,7 +30,6 @@ from gateway.redis.connection import (
     RedisReplyError,
 )
 from gateway.redis.connection import address_of_url as parse_redis_url
-from gateway.limiter.store import StoreError
 from tests.processes import RedisServer, eventually
 
 HANDSHAKE_PING = hiredis.pack_command(("PING",))
@@ -71,7 +71,7 @@ class HandshakeOnlyServer:
 
     async def __aenter__(self) -> HandshakeOnlyServer:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.url = "redis://127.0.0.1:%d/0" % self._server.sockets[0].getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self._server.sockets[0].getsockname()[1]}/0"
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -173,7 +173,7 @@ async def test_past_max_pending_execute_itself_refuses_at_once(redis_server):
         redis_server.pause()
         try:
             waiting = [connection.execute("INCR", "k") for _ in range(5)]
-            with pytest.raises(StoreError, match="5 commands already waiting for Redis$"):
+            with pytest.raises(StoreError, match=r"5 commands already waiting for Redis$"):
                 connection.execute("INCR", "k")
         finally:
             redis_server.resume()

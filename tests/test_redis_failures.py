@@ -18,8 +18,8 @@ import aiohttp
 import pytest
 
 from gateway.config.model import Limit, StoreConfig
-from gateway.redis.store import RedisStore
 from gateway.limiter.store import LimitCheck, StoreError
+from gateway.redis.store import RedisStore
 from gateway.testing import config_from_yaml, running_gateway
 from tests.processes import RedisServer
 

@@ -18,8 +18,8 @@ import pytest
 import redis.asyncio
 
 from tests.examples import ONE_REDIS_LIMIT
-from tests.scrape import settled_decisions
 from tests.processes import gateway_fleet
+from tests.scrape import settled_decisions
 
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 

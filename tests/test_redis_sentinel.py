@@ -91,7 +91,7 @@ async def test_a_demoted_master_answering_readonly_sends_the_store_to_the_new_on
                 what="the promotion and the old master's demotion",
             )
             replica.client().config_resetstat()
-            window, seen = await decisions_until_back(http, gw.url, limit_seconds=3.0)
+            _window, seen = await decisions_until_back(http, gw.url, limit_seconds=3.0)
             assert seen <= {200, 503}
             for _ in range(5):
                 assert "RateLimit" in (await get(http, gw.url + "/closed")).headers

@@ -19,13 +19,13 @@ import aiohttp
 import pytest
 import redis
 import redis.asyncio
-from redis.crc import key_slot
 import trustme
+from redis.crc import key_slot
 
 from gateway.config.model import StoreConfig
 from gateway.limiter.keys import identity_digest
-from gateway.redis.store import ARGS_CACHE_ENTRIES, RedisStore
 from gateway.limiter.store import LimitCheck
+from gateway.redis.store import ARGS_CACHE_ENTRIES, RedisStore
 from gateway.testing import config_from_yaml, running_gateway
 from tests.processes import RedisServer, eventually, free_port, wait_until
 

@@ -69,7 +69,7 @@ async def test_x_ratelimit_style_from_the_top_level(styles_gateway, client):
     # 1/hour, burst 2: after the first request one token is 3600 s short of full.
     assert fields(seen[0][1]) == {"X-RateLimit-Limit": "2", "X-RateLimit-Remaining": "1", "X-RateLimit-Reset": "3600"}
     assert fields(seen[1][1]) == {"X-RateLimit-Limit": "2", "X-RateLimit-Remaining": "0", "X-RateLimit-Reset": "7200"}
-    status, headers, body = seen[2]
+    _status, headers, body = seen[2]
     assert fields(headers) == {"X-RateLimit-Limit": "2", "X-RateLimit-Remaining": "0", "X-RateLimit-Reset": "7200"}
     assert headers["Retry-After"] == "3600"
     assert headers["Content-Type"].split(";")[0] == "application/problem+json"

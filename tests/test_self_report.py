@@ -17,8 +17,8 @@ from gateway.config import ConfigError, parse_config
 from gateway.config.redaction import redacted_url as redacted
 from gateway.testing import running_gateway
 from tests.processes import GatewayProcess, free_port
-from tests.scrape import scrape, value
 from tests.raw_client import raw_exchange, values
+from tests.scrape import scrape, value
 
 KEY = "sekrit-key-77c1"
 
@@ -69,7 +69,7 @@ async def test_a_request_the_parser_refuses_gets_a_problem_that_echoes_nothing(g
 
 async def test_a_417_does_not_echo_the_expectation(gw):
     request = f"POST /echo HTTP/1.1\r\nHost: gw\r\nContent-Length: 0\r\nExpect: <script>{KEY}\r\nConnection: close\r\n\r\n"
-    status, headers, body = await raw_exchange(gw.url, request.encode())
+    status, _headers, body = await raw_exchange(gw.url, request.encode())
     assert status == 417
     assert json.loads(body)["status"] == 417
     assert KEY.encode() not in body and b"script" not in body
@@ -141,7 +141,7 @@ async def test_an_http_2_request_line_over_http_1_gets_505(gw, version):
         writer.close()
         await writer.wait_closed()
     assert data.startswith(b"HTTP/1.1 505 HTTP Version Not Supported\r\n"), data[:100]
-    head, _, body = data.partition(b"\r\n\r\n")
+    _head, _, body = data.partition(b"\r\n\r\n")
     assert json.loads(body)["status"] == 505
     assert b"/echo" not in body
 
@@ -254,7 +254,7 @@ async def test_no_client_chosen_value_becomes_a_metric_label(gw, client):
     for i in range(120):
         token = f"tok{i}x{free_port()}"
         tokens.append(token)
-        method = (ODD_METHODS + ("GET", "POST"))[i % 9]
+        method = ((*ODD_METHODS, "GET", "POST"))[i % 9]
         host = (f"{token}.example", f"{token}:{i + 1}", "gw")[i % 3]
         path = (f"/{token}?key={token}", f"/echo/{token}/%zz", f"/echo/{token};p=1")[i % 3]
         request = (

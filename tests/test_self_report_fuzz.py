@@ -15,10 +15,9 @@ import socket
 from collections.abc import Iterator
 
 import pytest
+from aiohttp import web
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-
-from aiohttp import web
 
 from tests.processes import GatewayProcess
 from tests.upstream import serving_in_a_thread

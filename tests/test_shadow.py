@@ -14,8 +14,8 @@ from gateway.config import ConfigError
 from gateway.config.model import FailurePolicy, IdentitySource, Limit
 from gateway.config.units import parse_rate
 from gateway.limiter.limiter import Limiter
-from gateway.limiter.outcomes import ALLOW, DENY, SHADOW_LIMITED
 from gateway.limiter.memory_store import MemoryStore
+from gateway.limiter.outcomes import ALLOW, DENY, SHADOW_LIMITED
 from gateway.limiter.store import LimitCheck
 from gateway.testing import config_from_yaml, running_gateway
 from tests.scrape import decisions

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import time
 
 import aiohttp
@@ -125,7 +126,7 @@ async def test_a_flood_is_shaped_one_at_once_five_waiting_in_order_the_rest_reje
     # The five waiting requests were told their waits in one script call each, at once:
     # they are released a token's refill apart (half a refill of slack above, for the
     # scheduler; a spacing of two refills still fails).
-    for earlier, later in zip(delays[1:], delays[2:]):
+    for earlier, later in itertools.pairwise(delays):
         assert STEP_MS - 1000 * JITTER <= later - earlier < 1.5 * STEP_MS, delays
     # Never more than the bucket allows in any span between the waiting requests' releases.
     for i in range(1, len(arrived)):

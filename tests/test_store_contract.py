@@ -16,8 +16,8 @@ import pytest
 
 from gateway.config.model import StoreConfig
 from gateway.limiter.memory_store import MemoryStore
-from gateway.redis.store import RedisStore
 from gateway.limiter.store import LimitCheck, Store, StoreDecision
+from gateway.redis.store import RedisStore
 from gateway.testing import config_from_yaml
 from tests.processes import RedisServer
 

@@ -21,16 +21,16 @@ from gateway.config import ConfigError
 from gateway.config.model import FailurePolicy, IdentitySource, Limit, StoreConfig
 from gateway.config.units import Rate
 from gateway.limiter import bucket
-from gateway.limiter.token_leases import Leases
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.outcomes import ALLOW, DENY, SKIPPED
+from gateway.limiter.store import LimitCheck
+from gateway.limiter.token_leases import Leases
 from gateway.redis.scripts import TOKEN_LEASE_SCRIPT_NAME, load_script
 from gateway.redis.store import RedisStore
-from gateway.limiter.store import LimitCheck
 from gateway.testing import config_from_yaml
 from tests.chaos_proxy import ChaosProxy
-from tests.lua_bridge import FakeRedis, LuaScript
 from tests.helpers import script_calls
+from tests.lua_bridge import FakeRedis, LuaScript
 from tests.model_check import TOLERANCE
 from tests.processes import eventually
 

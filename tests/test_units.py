@@ -107,7 +107,7 @@ def test_parse_address_reads_host_and_port(text, host, port, shown):
      "host:65536", "host:99999", "ho st:80", "host:８０", "host:²", "http://host:80", None],
 )
 def test_parse_address_rejects_anything_else(value):
-    with pytest.raises(ValueError, match="HOST:PORT|port must be"):
+    with pytest.raises(ValueError, match=r"HOST:PORT|port must be"):
         parse_address(value)
 
 

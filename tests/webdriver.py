@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import shutil
 import subprocess
 import tempfile
@@ -76,10 +77,8 @@ class Browser:
     async def __aexit__(self, *exc: object) -> None:
         try:
             if self._session and self._http is not None:
-                try:
+                with contextlib.suppress(WebDriverError, aiohttp.ClientError, TimeoutError):
                     await self._command("DELETE", f"/session/{self._session}")
-                except (WebDriverError, aiohttp.ClientError, TimeoutError):
-                    pass
         finally:
             if self._http is not None:
                 await self._http.close()

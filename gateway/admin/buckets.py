@@ -10,7 +10,7 @@ secret, `gateway.limiter.keys.PROCESS_SECRET`) unless `admin_raw_identities`.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -38,9 +38,8 @@ class BucketApi:
     def update(self, config: GatewayConfig) -> None:
         """Answer from `config` from now on (a reload)."""
         self._config = config
-        self._limits: dict[str, Limit | ConcurrencyLimit] = {
-            limit.name: limit for limit in (*config.limits, *config.concurrency_limits)
-        }
+        limits: list[Limit | ConcurrencyLimit] = [*config.limits, *config.concurrency_limits]
+        self._limits: dict[str, Limit | ConcurrencyLimit] = {limit.name: limit for limit in limits}
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_get("/buckets/{limit}", self.inspect)
@@ -103,7 +102,7 @@ class BucketApi:
             raise _bad_request(f"n must be a whole number from 1 to {sketch.capacity}.")
         clients = []
         for hit in sketch.top(int(text), time.monotonic()):
-            name, identity = hit.key
+            name, identity = cast(tuple[str, str], hit.key)  # the limiter records (limit name, identity)
             clients.append({"limit": name, "identity": self._shown(identity), "denials": hit.count, "error": hit.error})
         return web.json_response(
             {
@@ -134,9 +133,10 @@ class BucketApi:
         else:
             # Header names are matched as the loader keeps them, in lower case.
             normal = "+".join(p.lower() if p.lower().startswith("header:") else p for p in given.split("+"))
-            source = sources.get(normal)
-            if source is None:
+            found = sources.get(normal)
+            if found is None:
                 raise _bad_request(f"Limit {name!r} is not keyed on {given!r}.", sources=list(sources))
+            source = found
         value = _identity_value(source, request.query.getall("value", []))
         identity = f"{source}={value}"
         tier = request.query.get("tier")
@@ -170,7 +170,7 @@ def _identity_value(source: IdentitySource, values: list[str]) -> str:
         raise _bad_request(str(exc)) from None
 
 
-def _problem(kind: type[web.HTTPException], title: str, detail: str, **extra: object) -> web.HTTPException:
+def _problem(kind: type[web.HTTPException], title: str, detail: str, **extra: Any) -> web.HTTPException:
     return kind(text=problem_body(kind.status_code, title, detail, **extra).decode(), content_type=PROBLEM_CONTENT_TYPE)
 
 

@@ -43,7 +43,7 @@ class Totals:
             families: list[Metric] = list(metric.collect())
         else:
             assert isinstance(metric, MetricWrapperBase)  # several workers: every metric is prometheus_client's
-            found = self._summed.get(metric.describe()[0].name)
+            found = self._summed.get(next(iter(metric.describe())).name)
             families = [] if found is None else [found]
         return [series for family in families for series in _values(family)]
 

@@ -24,8 +24,10 @@ class SafeLoader(yaml.SafeLoader):
     `limits` would replace the first without a word), and so is a document that its
     aliases expand past MAX_ALIAS_EXPANSION values."""
 
-    def compose_document(self) -> yaml.Node:
+    def compose_document(self) -> yaml.Node | None:
         node = super().compose_document()
+        if node is None:  # an empty document
+            return None
         added = _expanded_size(node, {}) - _distinct_size(node, set())
         if added > MAX_ALIAS_EXPANSION:
             raise yaml.composer.ComposerError(
@@ -42,7 +44,7 @@ class SafeLoader(yaml.SafeLoader):
                 None, None, "an integer with more digits than any config value can hold", node.start_mark
             ) from None
 
-    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         if isinstance(node, yaml.MappingNode):
             seen: set[Any] = set()
             for key_node, _ in node.value:

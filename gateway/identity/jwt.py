@@ -50,9 +50,9 @@ class JwtVerifier:
         """The claims of `token` if it verifies, else None."""
         known = self._verified.get(token)
         if known is not None:
-            claims, expires = known
+            remembered, expires = known
             if expires is None or self._clock() < expires:  # as PyJWT: expired once now >= exp + leeway
-                return claims
+                return remembered
             del self._verified[token]
             return None
         claims = self._verify(token)

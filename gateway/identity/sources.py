@@ -86,7 +86,7 @@ class IdentityTooLong(IdentityRejected):
 class TokenRejected(IdentityRejected):
     status = 401
     title = "Unauthorized"
-    headers: ClassVar[dict[str, str]] = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
+    headers: ClassVar[Mapping[str, str] | None] = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
 
 
 def parse_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

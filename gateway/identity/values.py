@@ -15,6 +15,7 @@ import re
 import string
 import urllib.parse
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 from aiohttp import web
 
@@ -27,7 +28,7 @@ class IdentityRejected(Exception):
 
     status = 400
     title = "Bad Request"
-    headers: Mapping[str, str] | None = None
+    headers: ClassVar[Mapping[str, str] | None] = None
 
     def __init__(self, detail: str) -> None:
         super().__init__(detail)

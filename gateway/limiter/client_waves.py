@@ -34,7 +34,6 @@ from typing import Any
 
 from gateway.limiter.store import StoreError
 
-
 # A wave's seats when nothing limits them: every check that waited goes.
 UNLIMITED_SEATS = 1 << 62
 
@@ -42,7 +41,7 @@ UNLIMITED_SEATS = 1 << 62
 class Wave:
     """Checks of one signature sent together; `done` resolves when every member has its answer."""
 
-    __slots__ = ("members", "joined", "seats", "done", "after", "error", "sent_at", "fewest_left", "resets")
+    __slots__ = ("after", "done", "error", "fewest_left", "joined", "members", "resets", "seats", "sent_at")
 
     def __init__(self, after: Wave | None, seats: int = UNLIMITED_SEATS) -> None:
         self.members = 0  # still waiting for their answers
@@ -91,7 +90,7 @@ class ClientWaves:
         while True:
             wave = self._in_flight.get(signature)
             if wave is None:
-                if waited is None or checks is None or self._seats is None:
+                if waited is None or checks is None or self._seats is None:  # noqa: SIM108 - the else needs them narrowed
                     count = UNLIMITED_SEATS
                 else:
                     count = max(1, self._seats(checks, waited))

@@ -77,7 +77,7 @@ class Admission:
     """What one request holds: its leases, renewed until `release()`, which is called once,
     when the response has ended (completed, aborted by the client, or failed)."""
 
-    __slots__ = ("admitted", "statuses", "store_failed", "_owner", "_held", "_timer")
+    __slots__ = ("_held", "_owner", "_timer", "admitted", "statuses", "store_failed")
 
     def __init__(
         self,

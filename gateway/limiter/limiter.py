@@ -47,7 +47,6 @@ from gateway.limiter.client_waves import UNLIMITED_SEATS, ClientWaves, Wave
 from gateway.limiter.concurrency import FAILED_THIS_REQUEST as NOT_ASKED_AGAIN
 from gateway.limiter.concurrency import SETTLE_SECONDS, Concurrency
 from gateway.limiter.denial_cache import REFUNDING_STORE_MAX_HOLD, CachedDenial, DenialCache
-from gateway.limiter.token_leases import Leases
 from gateway.limiter.memory_store import MemoryStore, StoreFull
 from gateway.limiter.outcomes import (
     ALLOW,
@@ -69,6 +68,7 @@ from gateway.limiter.store import (
     StoreError,
     StoreNotConnected,
 )
+from gateway.limiter.token_leases import Leases
 from gateway.limiter.top_limited import TopLimited
 from gateway.limiter.worker_resets import WorkerResets
 
@@ -572,7 +572,7 @@ def _as_shadow(status: LimitStatus) -> LimitStatus:
 
 def _leased(checks: Sequence[LimitCheck]) -> bool:
     """Whether a check takes its cost from a lease (a loop: cheaper than any() on a generator)."""
-    for c in checks:
+    for c in checks:  # noqa: SIM110
         if c.limit.lease and c.cost:
             return True
     return False

@@ -28,9 +28,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from gateway.config.model import ConcurrencyLimit, Limit
 from gateway.limiter import bucket, leases, quota
 from gateway.limiter.keys import bucket_key, identity_digest, lease_key
-from gateway.config.model import ConcurrencyLimit, Limit
 from gateway.limiter.store import BucketReading, LeaseCheck, LeaseDecision, LeaseReading, LimitCheck, StoreDecision
 
 _BucketId = tuple[str, str]

@@ -323,7 +323,9 @@ class ProxyHandler:
                 return self._client_closed(plan)  # while its handshake waited for the upstream
         # From here on, a client that hangs up cancels this task: the upstream request is
         # abandoned rather than finished for nobody (see gateway.proxy.bounded_protocol).
-        request[CANCEL_ON_HANGUP] = asyncio.current_task()  # type: ignore[assignment]
+        task = asyncio.current_task()
+        assert task is not None  # a handler runs in its request's task
+        request[CANCEL_ON_HANGUP] = task
         try:
             return await self._proxy(request, plan, rest, headers, limit_headers, record)
         except asyncio.CancelledError:

@@ -18,15 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from http import HTTPStatus
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import Any
 
 import httptools
-from aiohttp import hdrs, web
+from aiohttp import hdrs, web, web_protocol
 from aiohttp.http import HttpVersion10, HttpVersion11
-from aiohttp.http_parser import RawRequestMessage
-from aiohttp.streams import EMPTY_PAYLOAD
 from aiohttp.http_exceptions import (
     BadHttpMethod,
     BadStatusLine,
@@ -35,13 +33,14 @@ from aiohttp.http_exceptions import (
     LineTooLong,
     PayloadEncodingError,
 )
-from aiohttp import web_protocol
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import EMPTY_PAYLOAD
 from aiohttp.web_protocol import RequestHandler
 
+from gateway.config.http_names import request_host
 from gateway.proxy.bounded_protocol import BoundedRequestHandler, BoundedServer
 from gateway.proxy.headers import unrelayable_coding
 from gateway.proxy.problem import problem
-from gateway.config.http_names import request_host
 
 log = logging.getLogger("gateway.protocol")
 _NO_CALLBACKS = object()  # httptools only finds where a request ends: it needs none of them

@@ -45,7 +45,7 @@ class Batch:
     """One script call's checks, and the connection's waiter for its reply: answered in the
     read that brings it, so each check's waiter wakes as a command's own future would."""
 
-    __slots__ = ("slot", "keys", "args", "futures", "connection", "answered", "on_error")
+    __slots__ = ("answered", "args", "connection", "futures", "keys", "on_error", "slot")
 
     def __init__(self, slot: int, connection: RedisConnection | None, on_error: Callable[[Batch, BaseException], None]) -> None:
         self.slot = slot

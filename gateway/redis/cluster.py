@@ -102,6 +102,7 @@ class RedisCluster:
         self._refreshing: asyncio.Task[None] | None = None
         self._refreshed_at = -MIN_REFRESH_INTERVAL
         self._closed = False
+        self._closing: set[asyncio.Future[None]] = set()  # connections of demoted masters, closing
 
     def __str__(self) -> str:
         return str(self.seeds)
@@ -294,7 +295,9 @@ class RedisCluster:
             # its connection goes once nothing waits on it.
             if connection not in owners and connection.pending == 0:
                 del self._connections[node]
-                asyncio.ensure_future(connection.close())
+                closing = asyncio.ensure_future(connection.close())
+                self._closing.add(closing)  # the event loop holds tasks only weakly
+                closing.add_done_callback(self._closing.discard)
         for owner in owners:
             if owner is not None and not owner.connected:
                 owner.connect_soon()

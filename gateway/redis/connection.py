@@ -107,7 +107,7 @@ def address_of_url(url: str, *, tls_ca_file: str | None = None) -> RedisAddress:
     and no config (tests, benchmarks); raises ValueError as the config loader would."""
     target = parse_store_url(url)
     if not isinstance(target, SingleTarget):
-        raise ValueError(f"expected the URL of one Redis node, got {target}")  # noqa: TRY004  (a bad value, not a bad type)
+        raise ValueError(f"expected the URL of one Redis node, got {target}")
     return address_of(target, tls_ca_file=tls_ca_file)
 
 
@@ -124,7 +124,7 @@ class Waiter(Protocol):
 class _Command:
     """One command in the FIFO. `deadline` is set when its batch is written."""
 
-    __slots__ = ("future", "timeout", "deadline", "written_at", "weight")
+    __slots__ = ("deadline", "future", "timeout", "weight", "written_at")
 
     def __init__(self, future: Waiter, timeout: float, weight: int) -> None:
         self.future = future

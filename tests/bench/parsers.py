@@ -29,7 +29,7 @@ ROUNDS = 7
 
 
 class _Collector:
-    __slots__ = ("headers", "body", "complete")
+    __slots__ = ("body", "complete", "headers")
 
     def __init__(self) -> None:
         self.headers: list[tuple[bytes, bytes]] = []

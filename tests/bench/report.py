@@ -18,7 +18,6 @@ from tests.bench.streaming import GIB, Transfer
 from tests.bench.throughput import ThroughputRun
 from tests.bench.variants import Variant
 
-
 # The bound set on what streaming a body may add to the gateway's RSS, each way.
 RSS_GROWTH_LIMIT = 64 * 1000 * 1000
 QUICK_NOTE = " (scaled down by --quick; the target is for 1 GiB)"

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import redis.asyncio
 import uvloop
 
+from gateway.limiter.store import LimitCheck, StoreError
 from gateway.redis.scripts import load_script
 from gateway.redis.store import RedisStore
-from gateway.limiter.store import LimitCheck, StoreError
 from gateway.testing import config_from_yaml
 from tests.bench.naive_proxy import ALL_ALLOWED_ARGS
 
