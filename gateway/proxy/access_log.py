@@ -114,8 +114,8 @@ class AccessRecord:
     )
 
     def __init__(self, request_id: str, identity: ClientIdentity, secret: bytes) -> None:
-        # aiohttp times a request with loop.time(), which uvloop keeps in whole milliseconds,
-        # read once per loop iteration: a 0.3 ms answer was logged as 0.0 and a 2.4 ms one as 2.0.
+        # Not aiohttp's loop.time(): uvloop keeps it in whole milliseconds, read once per loop
+        # iteration, too coarse for answers that take a fraction of one.
         self.started = time.perf_counter()
         self.request_id = request_id
         self.identity = identity

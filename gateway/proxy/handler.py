@@ -263,7 +263,7 @@ class ProxyHandler:
         except IdentityRejected as exc:
             return problem(exc.status, exc.title, exc.detail, headers=exc.headers)
         # One observation a request, its rate limits' check and its concurrency limits' admission
-        # together: a concurrency-only route asks the store too, and went untimed.
+        # together: a concurrency-only route asks the store too.
         self._metrics.limiter_latency.observe(deciding + time.perf_counter() - started)
         if not admission.admitted:
             return _concurrency_rejection(plan, admission, limit_headers)
