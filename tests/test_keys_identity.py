@@ -16,7 +16,7 @@ import pytest
 
 from gateway.identity.sources import composite_value, forwarded_for, ip_group
 from gateway.identity.tiers import held_to, with_allowlisted
-from gateway.limiter.limiter import Decision, LimitStatus
+from gateway.limiter.decision import Decision, LimitStatus
 from gateway.limiter.outcomes import ALLOW, ALLOWLISTED, DELAYED
 from gateway.limiter.store import LimitCheck
 from gateway.proxy.headers import forwarded_element

@@ -16,7 +16,7 @@ import pytest
 from multidict import CIMultiDict
 
 from gateway.config.model import ConcurrencyLimit, FailurePolicy, HeaderStyle, Limit, ResponseStyle
-from gateway.limiter.limiter import LimitStatus, local_share
+from gateway.limiter.decision import LimitStatus, local_share
 from gateway.proxy.problem import ProblemTemplate, problem_body
 from gateway.proxy.ratelimit_headers import RateLimitFields, most_restrictive, retry_after_seconds
 from gateway.testing import config_from_yaml, running_gateway

@@ -37,11 +37,11 @@ import pytest
 from multidict import CIMultiDict
 
 from gateway.proxy import upstream_client
-from gateway.proxy.upstream_client import (
+from gateway.proxy.upstream_client import UpstreamClient
+from gateway.proxy.upstream_connection import (
     HIGH_WATER,
     BodyFailed,
     ConnectFailed,
-    UpstreamClient,
     UpstreamFailed,
     UpstreamResponse,
     UpstreamTimeout,

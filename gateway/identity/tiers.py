@@ -20,7 +20,7 @@ from aiohttp import web
 from gateway.config.model import Limit
 from gateway.identity.sources import parse_ip
 from gateway.identity.values import single_header
-from gateway.limiter.limiter import Decision, LimitStatus
+from gateway.limiter.decision import Decision, LimitStatus
 from gateway.limiter.outcomes import ALLOWLISTED
 from gateway.limiter.store import LimitCheck
 

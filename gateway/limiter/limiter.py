@@ -39,24 +39,29 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from gateway.config.model import FailurePolicy, Limit
 from gateway.limiter.circuit_breaker import BreakerState, CircuitBreaker
 from gateway.limiter.client_waves import UNLIMITED_SEATS, ClientWaves, Wave
 from gateway.limiter.concurrency import FAILED_THIS_REQUEST as NOT_ASKED_AGAIN
 from gateway.limiter.concurrency import SETTLE_SECONDS, Concurrency
-from gateway.limiter.denial_cache import REFUNDING_STORE_MAX_HOLD, CachedDenial, DenialCache
+from gateway.limiter.decision import (
+    UNLIMITED,
+    Decision,
+    LimitStatus,
+    as_shadow,
+    cached_denial,
+    decision_of,
+    leased,
+    local_share,
+)
+from gateway.limiter.denial_cache import REFUNDING_STORE_MAX_HOLD, DenialCache
 from gateway.limiter.memory_store import MemoryStore, StoreFull
 from gateway.limiter.outcomes import (
     ALLOW,
-    DELAYED,
-    DENY,
-    FAIL_LOCAL,
     FAILURE_OUTCOME,
     FAILURE_OUTCOMES,
     NO_ROOM,
-    SHADOW_LIMITED,
     SKIPPED,
 )
 from gateway.limiter.store import (
@@ -77,41 +82,6 @@ log = logging.getLogger(__name__)
 # Store failures come in floods; one line a second says enough.
 FAILURE_LOG_INTERVAL = 1.0
 
-
-
-@dataclass(frozen=True, slots=True)
-class LimitStatus:
-    limit: Limit
-    cost: int
-    remaining: float | None  # None when unknown: the store failed open, or a cached denial answered
-    outcome: str  # allow | delayed | deny | skipped | shadow_limited | fail_open | fail_closed | fail_local
-    reset: float | None = None  # a quota's seconds until its window ends, when the store said
-
-    @property
-    def denied(self) -> bool:
-        """Whether this limit denied the request: from the store, or from the local stand-in."""
-        if self.outcome == DENY:
-            return True
-        return self.outcome == FAIL_LOCAL and self.remaining is not None and self.remaining < self.cost
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    allowed: bool
-    statuses: tuple[LimitStatus, ...]
-    retry_after: float  # seconds; 0 when allowed
-    store_failed: bool  # denied because a fail-closed limit could not be checked, or the in-process store was full
-    wait: float = 0.0  # seconds an allowed request waits before it goes on (mode: delay)
-
-    @property
-    def store_unanswered(self) -> bool:
-        """Whether the store failed this request (a failure policy decided some limit): it
-        is not asked again for the request's concurrency limits, which take their policies."""
-        return any(s.outcome in FAILURE_OUTCOMES for s in self.statuses)
-
-
-# The decision for a request with no limits: nothing to ask the store.
-UNLIMITED = Decision(allowed=True, statuses=(), retry_after=0.0, store_failed=False)
 
 
 # What a check is told while the circuit breaker keeps it from the store.
@@ -207,13 +177,13 @@ class Limiter:
         # every client of an outage's last refill period stayed until the next outage.
         self._local_store.forget_full()
         if self.denials is not None:
-            if _leased(checks):
+            if leased(checks):
                 decision = await self._check_leased(checks, self.denials)
             else:
                 decision = await self._check_shared(checks, self.denials)
         else:
             try:
-                decision = _decision(checks, await self.store.check(checks))
+                decision = decision_of(checks, await self.store.check(checks))
             except StoreError as exc:
                 decision = self._on_store_error(checks, exc)
             except StoreFull as exc:
@@ -231,7 +201,7 @@ class Limiter:
         shadows = [c for c in checks if c.limit.shadow]
         main, *shadowed = await asyncio.gather(self.check(enforced), *(self.check((c,)) for c in shadows))
         enforced_statuses = iter(main.statuses)
-        shadow_statuses = (_as_shadow(d.statuses[0]) for d in shadowed)
+        shadow_statuses = (as_shadow(d.statuses[0]) for d in shadowed)
         statuses = tuple(next(shadow_statuses) if c.limit.shadow else next(enforced_statuses) for c in checks)
         return Decision(
             allowed=main.allowed,
@@ -371,7 +341,7 @@ class Limiter:
         store failed this request already; the failure policies answer without asking it."""
         cached = denials.lookup(checks, time.monotonic())
         if cached is not None:
-            return _cached_denial(checks, cached)
+            return cached_denial(checks, cached)
         if failed is not None:
             return self._on_store_error(checks, failed)
         signature: tuple[object, ...] = tuple((c.limit.name, c.identity, c.cost) for c in checks)
@@ -386,7 +356,7 @@ class Limiter:
             if wave.after is not None:  # the wave waited for may have emptied the bucket
                 cached = denials.lookup(checks, time.monotonic())
                 if cached is not None:
-                    return _cached_denial(checks, cached)
+                    return cached_denial(checks, cached)
             sent_at = time.monotonic()
             if not self.breaker.allows(sent_at):
                 # Not the wave's error: the store was not asked, and the next wave asks
@@ -416,7 +386,7 @@ class Limiter:
         finally:
             # After recording: the next wave wakes to a cache that knows this answer.
             self._waves.leave(signature, wave, error)
-        return _decision(checks, answer)
+        return decision_of(checks, answer)
 
     def _on_store_error(self, checks: Sequence[LimitCheck], exc: StoreError) -> Decision:
         now = time.monotonic()
@@ -524,70 +494,3 @@ class Limiter:
         except StoreError as exc:
             return False, str(exc)
         return True, "ok"
-
-
-def local_share(limit: Limit, divisor: int, cost: int) -> Limit:
-    """The conservative stand-in for `limit` under `on_store_error: local`: this
-    instance's share of the fleet's limit, 1/`divisor` of its rate and burst.
-
-    Its burst is never below the request's cost (nor 1), or a burst split many
-    ways would never let such a request through."""
-    rate = dataclasses.replace(limit.rate, tokens=limit.rate.tokens / divisor)
-    burst = max(1.0, float(cost), limit.burst / divisor)
-    share = None if limit.quota is None else dataclasses.replace(limit.quota, limit=burst)  # a quota's share of its window
-    return dataclasses.replace(limit, rate=rate, burst=burst, quota=share)
-
-
-def _decision(checks: Sequence[LimitCheck], answer: StoreDecision) -> Decision:
-    statuses = tuple(
-        LimitStatus(
-            limit=c.limit,
-            cost=c.cost,
-            remaining=left,
-            outcome=_outcome(answer.allowed, left, c.cost, c.max_delay * c.limit.rate.per_second),
-            reset=reset,
-        )
-        for c, left, reset in zip(checks, answer.remaining, answer.resets)
-    )
-    return Decision(
-        allowed=answer.allowed, statuses=statuses, retry_after=answer.retry_after, store_failed=False, wait=answer.wait
-    )
-
-
-def _outcome(allowed: bool, left: float | None, cost: int, debt: float) -> str:
-    """`debt`: the tokens a shaping check's bucket may owe (max_delay × rate; 0 when it may
-    not wait). A bucket that could pay within it would have delayed the request, not denied
-    it: when another limit denies, it was not asked to decide, as a bucket with room is not."""
-    if allowed:
-        # Charged below zero: this limit is why the request waits.
-        return DELAYED if left is not None and left < 0 else ALLOW
-    return DENY if left is not None and left - cost < -debt else SKIPPED
-
-
-def _as_shadow(status: LimitStatus) -> LimitStatus:
-    """A shadow limit's status: a denial becomes `shadow_limited`; a store failure keeps its
-    outcome (the store failed all the same), though it rejects nothing."""
-    return dataclasses.replace(status, outcome=SHADOW_LIMITED) if status.outcome == DENY else status
-
-
-def _leased(checks: Sequence[LimitCheck]) -> bool:
-    """Whether a check takes its cost from a lease (a loop: cheaper than any() on a generator)."""
-    for c in checks:  # noqa: SIM110
-        if c.limit.lease and c.cost:
-            return True
-    return False
-
-
-def _cached_denial(checks: Sequence[LimitCheck], cached: CachedDenial) -> Decision:
-    """A denial answered from the cache: the covered limit is denied; the others went unasked."""
-    if len(checks) == 1:  # most routes' one limit, without the generator
-        c = checks[0]
-        denied = LimitStatus(c.limit, c.cost, cached.remaining, DENY, cached.retry_after if c.limit.quota else None)
-        return Decision(allowed=False, statuses=(denied,), retry_after=cached.retry_after, store_failed=False)
-    statuses = tuple(
-        LimitStatus(c.limit, c.cost, cached.remaining, DENY, cached.retry_after if c.limit.quota else None)
-        if i == cached.index
-        else LimitStatus(c.limit, c.cost, None, SKIPPED)
-        for i, c in enumerate(checks)
-    )
-    return Decision(allowed=False, statuses=statuses, retry_after=cached.retry_after, store_failed=False)

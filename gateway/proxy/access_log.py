@@ -42,8 +42,8 @@ from aiohttp.web import BaseRequest, StreamResponse
 from gateway.identity.sources import ClientIdentity
 from gateway.identity.values import IdentityRejected
 from gateway.limiter.concurrency import Admission
+from gateway.limiter.decision import Decision
 from gateway.limiter.keys import identity_digest
-from gateway.limiter.limiter import Decision
 from gateway.limiter.store import LimitCheck
 from gateway.log_lines import FLUSH_SECONDS, QueuedLines
 

@@ -34,9 +34,10 @@ from gateway.metrics import NO_TARGET, QUEUE_FULL
 from gateway.proxy.access_log import AccessRecord
 from gateway.proxy.bounded_protocol import ClientLimitExceeded, hung_up
 from gateway.proxy.header_rewrite import rewrite_headers
-from gateway.proxy.problem import Problem, problem_response
+from gateway.proxy.problem import RETRY_AFTER_ONE, Problem, problem_response
 from gateway.proxy.route_plan import PoolPlan, RoutePlan, TargetPlan
-from gateway.proxy.upstream_client import ConnectFailed, UpstreamClient, UpstreamError, UpstreamTimeout
+from gateway.proxy.upstream_client import UpstreamClient
+from gateway.proxy.upstream_connection import ConnectFailed, UpstreamError, UpstreamTimeout
 from gateway.proxy.upstream_pool import Outcome, retry_allowed
 from gateway.proxy.upstream_slots import UpstreamSlots
 from gateway.proxy.websocket import WebSocketConnectFailed, proxy_websocket
@@ -45,7 +46,6 @@ log = logging.getLogger(__name__)
 
 # A request body as the client sends it: none, whole, or chunks as they arrive.
 Body = bytes | AsyncIterable[bytes] | None
-_RETRY_AFTER_ONE = {"Retry-After": "1"}  # shared safely: a Response copies the headers it is given
 _CANNOT_CONNECT = Problem.of(502, "Bad Gateway", "Cannot connect to the upstream.")
 _FAILED = Problem.of(502, "Bad Gateway", "The upstream failed.")
 _UNBOUNDED = contextlib.nullcontext()  # reusable: a route without timeout.total
@@ -121,7 +121,7 @@ async def forward(
         slots = upstream.slots
         if not slots.try_take() and not await slots.take(plan.queue_timeout):
             plan.unavailable(QUEUE_FULL).inc()
-            return problem_response(503, plan.queue_full, headers={**limit_headers, **_RETRY_AFTER_ONE})
+            return problem_response(503, plan.queue_full, headers={**limit_headers, **RETRY_AFTER_ONE})
         target.requests.inc()
         target.state.in_flight += 1
         try:
@@ -330,7 +330,7 @@ def _next_target(
     if failed is not None:
         return failed
     plan.unavailable(NO_TARGET).inc()
-    return pool.no_target.response({**limit_headers, **_RETRY_AFTER_ONE})
+    return pool.no_target.response({**limit_headers, **RETRY_AFTER_ONE})
 
 
 class _RelayedResponse(web.StreamResponse):

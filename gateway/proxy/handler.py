@@ -18,11 +18,9 @@ import dataclasses
 import logging
 import ssl
 import time
-from collections.abc import AsyncIterator
 
 import aiohttp
-from aiohttp import hdrs, web
-from aiohttp.http import HttpVersion11
+from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.config.model import GatewayConfig
@@ -31,8 +29,8 @@ from gateway.identity.sources import ClientIdentity
 from gateway.identity.tiers import held_to, tier_header, with_allowlisted
 from gateway.identity.values import IdentityRejected
 from gateway.limiter.concurrency import Admission
-from gateway.limiter.limiter import UNLIMITED, Decision, Limiter
-from gateway.limiter.outcomes import ALLOW, FAIL_CLOSED, FAIL_OPEN, NO_ROOM, SKIPPED
+from gateway.limiter.decision import UNLIMITED, Decision
+from gateway.limiter.limiter import Limiter
 from gateway.limiter.store import LimitCheck
 from gateway.metrics import STATUS_CLASSES, Metrics
 from gateway.proxy.access_log import ACCESS_RECORD, AccessRecord, request_id
@@ -42,9 +40,18 @@ from gateway.proxy.header_rewrite import rewrite_headers
 from gateway.proxy.headers import GATEWAY_WRITTEN, add_forwarded, drop_cgi_aliases, end_to_end
 from gateway.proxy.health_checks import HealthChecks
 from gateway.proxy.paths import NormalPath, PathRejected, normalize_path
-from gateway.proxy.problem import Answer, problem, problem_response
+from gateway.proxy.problem import RETRY_AFTER_ONE, problem
 from gateway.proxy.protocol import checked_host
-from gateway.proxy.ratelimit_headers import retry_after_seconds
+from gateway.proxy.rejections import body_too_large, concurrency_rejection, not_a_handshake, rejection
+from gateway.proxy.request_body import (
+    REQUEST_BUFFER_BYTES,
+    STREAM_CHUNK_BYTES,
+    Body,
+    awaiting_continue,
+    expectation,
+    read_ahead,
+    send_continue,
+)
 from gateway.proxy.route_plan import Plans, RoutePlan, compile_plans
 from gateway.proxy.routing import ConditionRejected
 from gateway.proxy.upstream_pool import TargetStates
@@ -52,23 +59,10 @@ from gateway.proxy.websocket import ClientLeft, is_websocket_upgrade
 
 log = logging.getLogger(__name__)
 
-# A request body as forwarded: as it streams, whole, or read ahead and then streaming.
-_Body = aiohttp.StreamReader | bytes | AsyncIterator[bytes] | None
-
-# Big enough to keep syscalls few, small enough that many streams stay within a
-# modest RSS: 1000 concurrent streams hold at most ~64 MB of chunks.
-STREAM_CHUNK_BYTES = 64 * 1024
-# A request body still arriving is read ahead up to this before an upstream connection is
-# taken (nginx buffers request bodies too, 16 KiB in memory); larger bodies then stream.
-# 1,000 requests reading ahead hold at most ~64 MB.
-REQUEST_BUFFER_BYTES = 64 * 1024
-_RETRY_AFTER_ONE = {"Retry-After": "1"}  # shared safely: a Response copies the headers it is given
 _NO_FIELDS: dict[str, str] = {}  # the rate-limit fields of a route without limits; never written to
 # nginx's status for a request whose client closed the connection before the answer:
 # logged and counted, never sent, and never a 5xx, which would page someone for a client's choice.
 CLIENT_CLOSED = 499
-# Set on a request that asked for 100 Continue and has not been sent it yet (see _expectation).
-_AWAITING_CONTINUE = web.RequestKey("gateway.awaiting_continue", bool)
 
 
 class ProxyHandler:
@@ -175,7 +169,7 @@ class ProxyHandler:
                 response.force_close()
                 return response
             if "Expect" in request.headers:
-                response = _expectation(request)
+                response = expectation(request)
                 if response is not None:
                     return response
             try:
@@ -199,20 +193,20 @@ class ProxyHandler:
             if self._in_flight > plans.max_in_flight:
                 # Overload, answered at once: neither the limiter nor the upstream hears of it.
                 self._metrics.shed.inc()
-                response = plans.shed.response(_RETRY_AFTER_ONE)
+                response = plans.shed.response(RETRY_AFTER_ONE)
                 return response
             if plan.max_body_size is not None and (request.content_length or 0) > plan.max_body_size:
-                response = _body_too_large(plan)  # the declared length says so: nothing is read or charged
+                response = body_too_large(plan)  # the declared length says so: nothing is read or charged
                 return response
             if (request.body_exists or request.method != "GET") and is_websocket_upgrade(request):
-                response = _not_a_handshake()
+                response = not_a_handshake()
                 return response
             response = await self._limited(request, plan, plans, path, record)
             return response
         finally:
             if response is not None and not response.prepared:
                 response.headers["X-Request-ID"] = record.request_id
-                if _awaiting_continue(request):
+                if awaiting_continue(request):
                     # Answered without the body, which the client was never invited to send:
                     # closing is the one way its next bytes cannot be misread as a request.
                     response.force_close()
@@ -252,7 +246,7 @@ class ProxyHandler:
         limit_headers = plan.fields.headers(decision.statuses) if plan.limits else _NO_FIELDS
         if not decision.allowed:
             self._metrics.limiter_latency.observe(deciding)
-            return _rejection(plan, decision, limit_headers)
+            return rejection(plan, decision, limit_headers)
         if not plan.concurrency:
             if plan.limits:
                 self._metrics.limiter_latency.observe(deciding)
@@ -266,7 +260,7 @@ class ProxyHandler:
         # together: a concurrency-only route asks the store too.
         self._metrics.limiter_latency.observe(deciding + time.perf_counter() - started)
         if not admission.admitted:
-            return _concurrency_rejection(plan, admission, limit_headers)
+            return concurrency_rejection(plan, admission, limit_headers)
         in_flight = [cp.in_flight for cp in plan.concurrency]
         for gauge in in_flight:
             gauge.inc()
@@ -350,21 +344,21 @@ class ProxyHandler:
         record: AccessRecord,
     ) -> web.StreamResponse:
         """An HTTP request (not a WebSocket handshake): its body, then the upstream or pool."""
-        body: _Body = request.content if request.body_exists else None
+        body: Body = request.content if request.body_exists else None
         try:
-            if _awaiting_continue(request):
-                await _continue(request)
+            if awaiting_continue(request):
+                await send_continue(request)
             if body is not None and plan.max_body_size is not None and request.content_length is None:
                 # A chunked body declares no length: it is read whole, up to the cap,
                 # so a body over the cap never reaches the upstream.
-                body = await _read_ahead(request.content, plan.max_body_size, cap=True)
+                body = await read_ahead(request.content, plan.max_body_size, cap=True)
                 if body is None:
-                    return _body_too_large(plan, limit_headers)
+                    return body_too_large(plan, limit_headers)
             elif body is not None and not request.content.is_eof():
                 # The body is still arriving: read it ahead before an upstream connection is
                 # taken, so a client that trickles it holds none. A body that
                 # arrived with its head, as most do, skips this.
-                body = await _read_ahead(request.content, REQUEST_BUFFER_BYTES, cap=False)
+                body = await read_ahead(request.content, REQUEST_BUFFER_BYTES, cap=False)
         except ClientLimitExceeded as exc:
             return exc.response()  # client_body_timeout
         except ConnectionError:
@@ -417,121 +411,6 @@ class ProxyHandler:
         for lp, status in zip(limits, decision.statuses):
             lp.decisions(status.outcome).inc()
         return decision
-
-
-def _expectation(request: web.BaseRequest) -> web.Response | None:
-    """Check `Expect`: `100-continue` on a request with a body is remembered, and its interim
-    response waits until the body is about to be read (_continue), so that a 404, 413, 429 or
-    503 decided from the head alone comes first and the client never sends a body no one will
-    read (RFC 9110 §10.1.1; nginx sends its 100 Continue only when it reads the body, too).
-    Any other expectation gets 417. HTTP/1.0 has no interim responses, so there it is ignored."""
-    if request.version != HttpVersion11:
-        return None
-    if request.headers["Expect"].lower() != "100-continue":
-        return problem(417, "Expectation Failed", "Only the expectation 100-continue is understood.")
-    if request.body_exists:
-        request[_AWAITING_CONTINUE] = True
-    return None
-
-
-def _awaiting_continue(request: web.BaseRequest) -> bool:
-    """Whether `_expectation` held back a 100 Continue not sent yet. Most requests send no
-    Expect: the header test spares them a miss in the request's mapping, which raises and
-    catches a KeyError, twice a request."""
-    return hdrs.EXPECT in request.headers and _AWAITING_CONTINUE in request
-
-
-async def _continue(request: web.BaseRequest) -> None:
-    """Send the 100 Continue that `_expectation` held back: the body is wanted now."""
-    del request[_AWAITING_CONTINUE]
-    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-    request.writer.output_size = 0  # the interim response is not part of the response's size
-    await request.writer.drain()
-
-
-def _not_a_handshake() -> web.Response:
-    """A WebSocket handshake is a GET without a body (RFC 6455 §4.1), and aiohttp's client
-    sends it upstream as one: a body, or another method, would reach the upstream as what
-    the client did not send. A body announced (Content-Length, Transfer-Encoding) and
-    forwarded without its bytes held the upstream waiting for them until timeout.read. The
-    body is never read, so the connection closes rather than read it as frames or requests."""
-    response = problem(400, "Bad Request", "A WebSocket handshake must be a GET request without a body.")
-    response.force_close()
-    return response
-
-
-def _body_too_large(plan: RoutePlan, headers: dict[str, str] | None = None) -> web.Response:
-    response = problem_response(413, plan.body_too_large, headers=headers)
-    response.force_close()  # the rest of the body is never read
-    return response
-
-
-async def _read_ahead(content: aiohttp.StreamReader, limit: int, *, cap: bool) -> _Body:
-    """Read the body until it ends or passes `limit` bytes. A body that ended is returned
-    whole. Past the limit: None with `cap` (a body too large), or else the bytes read so far
-    followed by the rest as it streams in."""
-    parts: list[bytes] = []
-    size = 0
-    while size <= limit:
-        chunk = await content.readany()
-        if not chunk:
-            return b"".join(parts)
-        size += len(chunk)
-        parts.append(chunk)
-    return None if cap else _stream_on(parts, content)
-
-
-async def _stream_on(parts: list[bytes], content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
-    for part in parts:
-        yield part
-    parts.clear()
-    async for chunk in content.iter_chunked(STREAM_CHUNK_BYTES):
-        yield chunk
-
-
-def _rejection(plan: RoutePlan, decision: Decision, limit_headers: dict[str, str]) -> web.Response:
-    """A request over its limits: answered as the first limit that denied it (in the route's
-    order) says, with Retry-After whatever its header style. A fail-closed limit whose store
-    failed, or an in-process store with no room for the client: 503 problem+json with Retry-After: 1."""
-    if decision.store_failed:
-        enforced = [s for s in decision.statuses if not s.limit.shadow]
-        full = [s.limit.name for s in enforced if s.outcome == NO_ROOM]
-        return _store_failed(plan, full, [s.limit.name for s in enforced if s.outcome == FAIL_CLOSED])
-    statuses = decision.statuses
-    denied = [i for i in plan.enforced if statuses[i].denied]
-    first = plan.limits[denied[0]]
-    rejection = first.rejection
-    retry_after = str(retry_after_seconds(decision.retry_after))
-    if len(denied) == 1 or first.limit.response.body is not None:
-        body = retry_after.encode().join(rejection.chunks)
-    else:  # the problem names every limit that denied
-        names = tuple(statuses[i].limit.name for i in denied)
-        body = plan.rejection(rejection.status, names).body(retry_after)
-    headers = CIMultiDict(limit_headers)
-    headers[hdrs.RETRY_AFTER] = retry_after
-    headers.extend(rejection.content_type)
-    headers[hdrs.CONTENT_LENGTH] = str(len(body))
-    return Answer(rejection.status, body, headers)
-
-
-def _concurrency_rejection(plan: RoutePlan, admission: Admission, limit_headers: dict[str, str]) -> web.Response:
-    if admission.store_failed:
-        statuses = admission.statuses
-        full = [s.limit.name for s in statuses if s.outcome == NO_ROOM]
-        return _store_failed(plan, full, [s.limit.name for s in statuses if s.outcome == FAIL_CLOSED])
-    refused = next(i for i, s in enumerate(admission.statuses) if s.outcome not in (ALLOW, SKIPPED, FAIL_OPEN))
-    limited = plan.concurrency[refused]
-    headers = {**limit_headers, **limited.fields}
-    # The rate limits' policy, when sent, lists the concurrency limits too.
-    headers.setdefault("RateLimit-Policy", plan.fields.concurrency_policy)
-    return limited.limited.response(headers)
-
-
-def _store_failed(plan: RoutePlan, full: list[str], closed: list[str]) -> web.Response:
-    """503 for limits the in-process store had no room for (`full`), else for fail-closed
-    limits whose store failed (`closed`)."""
-    template = plan.store_full(tuple(full)) if full else plan.store_unavailable(tuple(closed))
-    return problem_response(503, template.body(), headers=_RETRY_AFTER_ONE)
 
 
 def _raw_path(request: web.BaseRequest) -> str | None:

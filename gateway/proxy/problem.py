@@ -16,6 +16,7 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
 PROBLEM_CONTENT_TYPE = "application/problem+json"
+RETRY_AFTER_ONE = {"Retry-After": "1"}  # the gateway's 503s; shared safely: a Response copies the headers it is given
 _PROBLEM_CONTENT_TYPE_HEADER = PROBLEM_CONTENT_TYPE + "; charset=utf-8"
 # Stands for the one value a ProblemTemplate leaves open; JSON writes it as \u0000,
 # which no title, detail or limit name contains.

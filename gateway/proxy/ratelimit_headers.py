@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gateway.config.model import ConcurrencyLimit, HeaderStyle, Limit
-from gateway.limiter.limiter import LimitStatus, local_share
+from gateway.limiter.decision import LimitStatus, local_share
 from gateway.limiter.outcomes import FAIL_LOCAL
 
 

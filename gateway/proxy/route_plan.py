@@ -42,8 +42,8 @@ from gateway.config.model import (
 )
 from gateway.config.redaction import redacted_url
 from gateway.identity.sources import ClientIdentity, IdentityKey, RouteIdentity
+from gateway.limiter.decision import local_share
 from gateway.limiter.keys import PROCESS_SECRET
-from gateway.limiter.limiter import local_share
 from gateway.limiter.outcomes import concurrency_outcomes, rate_limit_outcomes
 from gateway.metrics import NO_TARGET, QUEUE_FULL, UNMATCHED_ROUTE, Children, Metrics
 from gateway.proxy.headers import GATEWAY_WRITTEN
