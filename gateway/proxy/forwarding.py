@@ -137,27 +137,117 @@ async def forward(
             return failed
 
 
-def http_attempt(
-    request: web.BaseRequest,
-    plan: RoutePlan,
-    rest: str,
-    headers: CIMultiDict[str],
-    host: str | None,
-    body: Body,
-    length: int | None,
-    limit_headers: dict[str, str],
-    record: AccessRecord,
-) -> Attempt:
-    """An HTTP request's attempt: send it, and relay the answer as it streams."""
+class HttpAttempt:
+    """An HTTP request's attempt (an `Attempt`, tried on each target in turn): send it, and
+    relay the answer as it streams."""
 
-    async def attempt(target: TargetPlan, upstream: Upstream, remaining: float | None) -> web.StreamResponse:
+    __slots__ = ("body", "headers", "host", "length", "limit_headers", "plan", "record", "request", "rest")
+
+    def __init__(
+        self,
+        request: web.BaseRequest,
+        plan: RoutePlan,
+        rest: str,
+        headers: CIMultiDict[str],
+        host: str | None,
+        body: Body,
+        length: int | None,
+        limit_headers: dict[str, str],
+        record: AccessRecord,
+    ) -> None:
+        self.request, self.plan, self.rest, self.headers, self.host = request, plan, rest, headers, host
+        self.body, self.length, self.limit_headers, self.record = body, length, limit_headers, record
+
+    async def __call__(self, target: TargetPlan, upstream: Upstream, remaining: float | None) -> web.StreamResponse:
         # timeout.total bounds the whole exchange, the relay of the body included.
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
-        return await _exchange(
-            request, plan, target, upstream.client, rest, headers, host, body, length, limit_headers, record, deadline
-        )
+        return await self._exchange(target, upstream.client, deadline)
 
-    return attempt
+    async def _exchange(self, target: TargetPlan, client: UpstreamClient, deadline: float | None) -> web.StreamResponse:
+        request, plan, headers, limit_headers, record = self.request, self.plan, self.headers, self.limit_headers, self.record
+        rest, body, length, host = self.rest, self.body, self.length, self.host
+        sent = time.perf_counter()
+        try:
+            async with _until(deadline):
+                upstream = await client.request(
+                    request.method, rest, headers, body, length=length, host=host,
+                    connect_timeout=plan.connect_timeout, read_timeout=plan.read_timeout,
+                )
+        except TimeoutError:
+            _count(target, Outcome.TIMEOUT)
+            return problem_response(504, plan.upstream_timeout, headers=limit_headers)
+        except ConnectFailed as exc:
+            _count(target, Outcome.CONNECT_FAILED)
+            log.warning("cannot connect to upstream %s: %s", target.where, exc)
+            if exc.timed_out:
+                raise _ConnectFailed(problem_response(504, plan.upstream_timeout, headers=limit_headers)) from None
+            raise _ConnectFailed(_CANNOT_CONNECT.response(limit_headers)) from None
+        except UpstreamTimeout:
+            _count(target, Outcome.TIMEOUT)
+            return problem_response(504, plan.upstream_timeout, headers=limit_headers)
+        except UpstreamError as exc:
+            stalled = request.content.exception()
+            if isinstance(stalled, ClientLimitExceeded):
+                return stalled.response()  # the client's body stalled (client_body_timeout), not the upstream
+            _count(target, Outcome.FAILED)
+            log.warning("upstream %s failed: %s", target.where, exc)
+            return _FAILED.response(limit_headers)
+        latency = time.perf_counter() - sent
+        plan.upstream_latency().observe(latency)
+        target.latency.observe(latency)
+        # One outcome per attempt, counted once its relay has ended: a response cut off mid-body
+        # is a failure, not an answer and then a failure, which would reset the count each time
+        # and keep a target that cuts every response from being ejected.
+        outcome = Outcome.SERVER_ERROR if upstream.status >= 500 else Outcome.ANSWERED
+        try:
+            record.upstream_status, record.upstream_ms = upstream.status, round(latency * 1000, 3)
+            arrived = upstream.arrived
+            response = (_ArrivedResponse if arrived else _RelayedResponse)(status=upstream.status, reason=upstream.reason)
+            response.headers.extend(upstream.headers)
+            plan.locations.apply(response.headers, headers)
+            if plan.response_headers is not None:
+                rewrite_headers(response.headers, plan.response_headers)
+            response.headers.update(limit_headers)
+            response.headers["X-Request-ID"] = record.request_id
+            if request.version == HttpVersion10 and hdrs.CONTENT_LENGTH not in response.headers:
+                # To HTTP/1.0 such a body ends with the connection, and aiohttp kept the
+                # connection of a keep-alive client: it waited out keepalive_timeout.
+                response.force_close()
+            await response.prepare(request)
+            try:
+                if arrived:
+                    await response.write_eof(upstream.take())
+                    return response
+                async with _until(deadline):
+                    while chunk := await upstream.read():
+                        await response.write(chunk)
+            except TimeoutError:
+                # Past timeout.total with the status line gone: all that is left is to cut the connection.
+                outcome = Outcome.TIMEOUT
+                log.warning("upstream %s passed timeout.total mid-response", target.where)
+                if request.transport is not None:
+                    request.transport.close()
+                return response
+            except ConnectionResetError:
+                return response  # the client went away; the unfinished upstream connection is closed
+            except asyncio.CancelledError:
+                if not hung_up(request):
+                    raise
+                # The client went away mid-response: its status was sent, and is what is logged.
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                return response
+            except UpstreamError as exc:
+                # The status line is gone; all that is left is to cut the connection.
+                outcome = Outcome.FAILED
+                log.warning("upstream %s failed mid-response: %s", target.where, exc or type(exc).__name__)
+                if request.transport is not None:
+                    request.transport.close()
+                return response
+            await response.write_eof()
+            return response
+        finally:
+            client.release(upstream)
+            _count(target, outcome)
 
 
 def websocket_attempt(
@@ -190,104 +280,6 @@ def websocket_attempt(
             raise _ConnectFailed(exc.response) from None
 
     return attempt
-
-
-async def _exchange(
-    request: web.BaseRequest,
-    plan: RoutePlan,
-    target: TargetPlan,
-    client: UpstreamClient,
-    rest: str,
-    headers: CIMultiDict[str],
-    host: str | None,
-    body: Body,
-    length: int | None,
-    limit_headers: dict[str, str],
-    record: AccessRecord,
-    deadline: float | None,
-) -> web.StreamResponse:
-    sent = time.perf_counter()
-    try:
-        async with _until(deadline):
-            upstream = await client.request(
-                request.method, rest, headers, body, length=length, host=host,
-                connect_timeout=plan.connect_timeout, read_timeout=plan.read_timeout,
-            )
-    except TimeoutError:
-        _count(target, Outcome.TIMEOUT)
-        return problem_response(504, plan.upstream_timeout, headers=limit_headers)
-    except ConnectFailed as exc:
-        _count(target, Outcome.CONNECT_FAILED)
-        log.warning("cannot connect to upstream %s: %s", target.where, exc)
-        if exc.timed_out:
-            raise _ConnectFailed(problem_response(504, plan.upstream_timeout, headers=limit_headers)) from None
-        raise _ConnectFailed(_CANNOT_CONNECT.response(limit_headers)) from None
-    except UpstreamTimeout:
-        _count(target, Outcome.TIMEOUT)
-        return problem_response(504, plan.upstream_timeout, headers=limit_headers)
-    except UpstreamError as exc:
-        stalled = request.content.exception()
-        if isinstance(stalled, ClientLimitExceeded):
-            return stalled.response()  # the client's body stalled (client_body_timeout), not the upstream
-        _count(target, Outcome.FAILED)
-        log.warning("upstream %s failed: %s", target.where, exc)
-        return _FAILED.response(limit_headers)
-    latency = time.perf_counter() - sent
-    plan.upstream_latency().observe(latency)
-    target.latency.observe(latency)
-    # One outcome per attempt, counted once its relay has ended: a response cut off mid-body
-    # is a failure, not an answer and then a failure, which would reset the count each time
-    # and keep a target that cuts every response from being ejected.
-    outcome = Outcome.SERVER_ERROR if upstream.status >= 500 else Outcome.ANSWERED
-    try:
-        record.upstream_status, record.upstream_ms = upstream.status, round(latency * 1000, 3)
-        arrived = upstream.arrived
-        response = (_ArrivedResponse if arrived else _RelayedResponse)(status=upstream.status, reason=upstream.reason)
-        response.headers.extend(upstream.headers)
-        plan.locations.apply(response.headers, headers)
-        if plan.response_headers is not None:
-            rewrite_headers(response.headers, plan.response_headers)
-        response.headers.update(limit_headers)
-        response.headers["X-Request-ID"] = record.request_id
-        if request.version == HttpVersion10 and hdrs.CONTENT_LENGTH not in response.headers:
-            # To HTTP/1.0 such a body ends with the connection, and aiohttp kept the
-            # connection of a keep-alive client: it waited out keepalive_timeout.
-            response.force_close()
-        await response.prepare(request)
-        try:
-            if arrived:
-                await response.write_eof(upstream.take())
-                return response
-            async with _until(deadline):
-                while chunk := await upstream.read():
-                    await response.write(chunk)
-        except TimeoutError:
-            # Past timeout.total with the status line gone: all that is left is to cut the connection.
-            outcome = Outcome.TIMEOUT
-            log.warning("upstream %s passed timeout.total mid-response", target.where)
-            if request.transport is not None:
-                request.transport.close()
-            return response
-        except ConnectionResetError:
-            return response  # the client went away; the unfinished upstream connection is closed
-        except asyncio.CancelledError:
-            if not hung_up(request):
-                raise
-            # The client went away mid-response: its status was sent, and is what is logged.
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            return response
-        except UpstreamError as exc:
-            # The status line is gone; all that is left is to cut the connection.
-            outcome = Outcome.FAILED
-            log.warning("upstream %s failed mid-response: %s", target.where, exc or type(exc).__name__)
-            if request.transport is not None:
-                request.transport.close()
-            return response
-        await response.write_eof()
-        return response
-    finally:
-        client.release(upstream)
-        _count(target, outcome)
 
 
 def _until(deadline: float | None) -> contextlib.AbstractAsyncContextManager[object]:

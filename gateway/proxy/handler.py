@@ -35,7 +35,7 @@ from gateway.limiter.store import LimitCheck
 from gateway.metrics import STATUS_CLASSES, Metrics
 from gateway.proxy.access_log import ACCESS_RECORD, AccessRecord, request_id
 from gateway.proxy.bounded_protocol import CANCEL_ON_HANGUP, ClientLimitExceeded, hung_up
-from gateway.proxy.forwarding import Upstream, forward, http_attempt, websocket_attempt
+from gateway.proxy.forwarding import HttpAttempt, Upstream, forward, websocket_attempt
 from gateway.proxy.header_rewrite import rewrite_headers
 from gateway.proxy.headers import GATEWAY_WRITTEN, add_forwarded, drop_cgi_aliases, end_to_end
 from gateway.proxy.health_checks import HealthChecks
@@ -371,7 +371,7 @@ class ProxyHandler:
         else:
             length = request.content_length
         host = request.headers.get("Host") if plan.preserve_host else None
-        attempt = http_attempt(request, plan, rest, headers, host, body, length, limit_headers, record)
+        attempt = HttpAttempt(request, plan, rest, headers, host, body, length, limit_headers, record)
         return await forward(plan, self._upstreams, attempt, limit_headers, record)
 
     async def _decide(

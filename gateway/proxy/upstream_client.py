@@ -39,6 +39,8 @@ IDLE_SECONDS = 15.0
 IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS", "TRACE"})
 # Methods whose empty body is still announced, as aiohttp's client and curl do.
 _LENGTH_ALWAYS = frozenset({"POST", "PUT", "PATCH"})
+# What a request sends: whole bytes, chunks as they arrive (sent chunked), or nothing.
+RequestBody = bytes | AsyncIterable[bytes] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +88,7 @@ class UpstreamClient:
         method: str,
         target: str,
         headers: CIMultiDict[str],
-        body: bytes | AsyncIterable[bytes] | None,
+        body: RequestBody,
         *,
         length: int | None,
         host: str | None,
@@ -165,15 +167,7 @@ class UpstreamClient:
             raise ConnectFailed(exc.strerror or str(exc)) from None
         return connection
 
-    def _head(
-        self,
-        method: str,
-        target: str,
-        headers: CIMultiDict[str],
-        body: bytes | AsyncIterable[bytes] | None,
-        length: int | None,
-        host: str | None,
-    ) -> bytes:
+    def _head(self, method: str, target: str, headers: CIMultiDict[str], body: RequestBody, length: int | None, host: str | None) -> bytes:
         endpoint = self.endpoint
         lines = [f"{method} {endpoint.base_path}{target} HTTP/1.1\r\nHost: {host or endpoint.authority}\r\n"]
         if endpoint.authorization is None:
