@@ -1,4 +1,7 @@
-"""Assembles one gateway from its config: store, limiter, proxy handler, metrics, and the two aiohttp apps."""
+"""Assembles one gateway from its config: store, limiter, proxy handler, metrics, and the two aiohttp apps.
+
+Trusts the config, which `gateway.config.loader` has validated; a reload that does not
+load keeps the config being served."""
 
 from __future__ import annotations
 
@@ -117,8 +120,8 @@ class Gateway:
         to `config.clients` (gateway.proxy.bounded_protocol).
 
         Request bodies are never inflated (`auto_decompress=False`): a gzip body is the
-        upstream's to decode, and inflating it while its Content-Length went on unchanged
-        cut or hung it there. It passes byte for byte, as responses do."""
+        upstream's to decode, and inflated under its original Content-Length it would arrive
+        cut short or hang there. It passes byte for byte, as responses do."""
         # A request the parser refused has no method to trust: it is counted as OTHER, and
         # bound on first use like every other child, so /metrics shows it once it happens.
         refused = Children(self.metrics.requests, route=UNMATCHED_ROUTE, method="OTHER", status_class="4xx")

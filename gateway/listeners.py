@@ -23,8 +23,8 @@ from gateway.app import Gateway
 from gateway.proxy.access_log import ACCESS_LOG_FORMATS, access_logger
 
 # aiohttp's runner waits its shutdown_timeout for a handler, then cancels and waits it
-# again: with the grace there, a request slower than the grace held the exit for twice
-# the grace. The drain waits out the grace itself; then the cut takes at most 2 x this.
+# again, so given the grace it would hold the exit for twice the grace. The drain waits
+# out the grace itself; then the cut takes at most 2 x this.
 CUT_SECONDS = 0.1
 DRAIN_POLL_SECONDS = 0.01  # a drain notices the last request within this
 
@@ -95,7 +95,7 @@ class PublicSite(web.TCPSite):
     """aiohttp's TCPSite, but a TLS handshake must finish within `handshake_timeout`
     (client_header_timeout), as nginx bounds it, not asyncio's default 60 s: until the
     handshake is done the connection has no protocol, so bounded_protocol's head timer has
-    not started, and a client that sends half a ClientHello held its socket that long.
+    not started, and a client that sends half a ClientHello would hold its socket that long.
     TCPSite passes no ssl_handshake_timeout, so start() is its own, with the same fields."""
 
     __slots__ = ("_handshake_timeout",)

@@ -40,10 +40,9 @@ log = logging.getLogger("gateway")
 
 # A worker that could not start exits with this, as `gateway run` itself would.
 EXIT_STARTUP = 2
-# A request allocates a few dozen short-lived objects, so with CPython's default (700)
-# the collector ran 485 times in 11,000 limited requests under wrk -c50, for 195 ms
-# (17 us a request, ~5% of its CPU). At 20,000, with startup objects frozen: twice,
-# 0.3 ms in all.
+# A request allocates a few dozen short-lived objects: CPython's default (700) collects
+# every ~20 requests, ~5% of a limited request's CPU. At 20,000, with the startup objects
+# frozen, a collection comes every few thousand requests and costs next to nothing.
 GC_YOUNG_THRESHOLD = 20_000
 # `--watch` looks at the file this often: an edit takes effect within it, for one stat() a period.
 WATCH_SECONDS = 0.5

@@ -6,7 +6,7 @@ Retry-After); `{{` and `}}` stand for braces. Nothing else is read inside braces
 so a template can never reach an attribute, an index or a format spec, and
 anything else in braces is a config error. Both values are safe anywhere in
 JSON, HTML or plain text: limit names are letters, digits, `_`, `-` and `.`,
-and the seconds are digits.
+and the seconds are digits. Trusts nothing in the template beyond this syntax.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ DEFAULT_ADMIN_LISTEN = "127.0.0.1:9090"
 DEFAULT_SHUTDOWN_GRACE = "20s"
 # Processes, each a full gateway: far past the cores of any one machine.
 MAX_WORKERS = 1024
-DEFAULT_MAX_IN_FLIGHT = 1024  # per process; wrk: req/s flat from 100 to 2000 in flight, falling by 4000, so ~0.5 s of queue
+DEFAULT_MAX_IN_FLIGHT = 1024  # per process: throughput holds to ~2000 in flight and falls by 4000; 1024 is ~0.5 s of queue
 # nginx's defaults: client_header_timeout, client_body_timeout, keepalive_timeout, keepalive_requests.
 DEFAULT_CLIENT_HEADER_TIMEOUT = "60s"
 DEFAULT_CLIENT_BODY_TIMEOUT = "60s"

@@ -3,7 +3,9 @@
 The loader builds it once to reject a certificate or key that does not load, and
 each serving process builds its own from the same files. A reload loads the files
 again into that live context, as nginx does on SIGHUP, so a renewed certificate
-serves from the next handshake on without a restart."""
+serves from the next handshake on without a restart. Trusts the files only as far as
+they load: a pair that does not is refused at start, and on a reload leaves the
+context serving the pair it had."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Parsers for the small value languages inside the YAML: rates, durations, sizes, addresses.
 
-Each parser takes the raw YAML scalar and returns a typed value or raises
-ValueError with a message that says what was expected. The caller adds the
+Each parser trusts nothing in the raw YAML scalar: it returns a typed value or
+raises ValueError with a message that says what was expected. The caller adds the
 file name and YAML path.
 """
 

@@ -93,7 +93,7 @@ def _named_after_semicolon(query: str, name: str) -> bool:
 def _visible(value: str) -> bool:
     """Whether non-empty `value` is visible ASCII, with spaces inside ("Bearer x") but not at
     the ends, where HTTP parsers trim them: what the upstream reads exactly as the gateway
-    does. (str methods run in C; a regex took three times as long.)"""
+    does. (str methods run in C; a regex takes three times as long.)"""
     return value.isascii() and value.isprintable() and value[0] != " " and value[-1] != " "
 
 

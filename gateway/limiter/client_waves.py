@@ -12,12 +12,11 @@ client with tokens left pays at most one extra round trip.
 A wave has seats for no more checks than could pass: the caller counts them
 from what the wave before it learned (`Wave.learn`: the fewest tokens it saw
 left, and when it sent). The checks it has no seat for wait for the next wave
-instead of sending. Otherwise a flood of one client whose bucket still held a
-few tokens sent every waiting check at once: a thousand requests at a quota of
-100 over four gateways put 996 script calls into Redis in one round trip, and
-the last of them came back after the store timeout and failed open. Seats
-never decide anything; a check without one only asks one round trip later,
-when the denial cache most likely answers it.
+instead of sending, so a flooding client whose bucket still holds a few tokens
+sends a few script calls, not hundreds that would push the last of them past
+the store timeout and into the failure policy. Seats never decide anything; a
+check without one only asks one round trip later, when the denial cache most
+likely answers it.
 
 When a wave fails (a store error or timeout), the wave waiting behind it fails
 at once with the same error rather than sending: the store just failed, and a

@@ -2,8 +2,8 @@
 
 With `workers: N` an admin request reaches whichever worker accepts its connection,
 but every worker keeps its own cached denials, leased tokens and stand-in buckets of
-a client. A reset that only the answering worker applied left the client denied by
-the others until their cached denials ran out (an hour, on a limit of 1/hour).
+a client. A reset that only the answering worker applied would leave the client denied
+by the others until their cached denials run out (up to an hour, on a limit of 1/hour).
 
 So the supervisor maps a small log of resets, shared by the workers it forks: the
 answering worker appends (limit name, identity) before it answers, and every worker

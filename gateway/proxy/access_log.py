@@ -225,7 +225,7 @@ def _escaped(value: object) -> str:
 
 
 def _undecodable_bytes(unsafe: re.Match[str]) -> str:
-    # surrogatepass for a surrogate no byte became (none arrives today): never a traceback.
+    # surrogatepass for a surrogate no byte became (none is expected): never a traceback.
     return "".join(
         f"\\x{byte:02X}"
         for char in unsafe.group()

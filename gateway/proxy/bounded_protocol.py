@@ -1,18 +1,17 @@
 """What one client connection may hold of the gateway: bounded heads, bodies, idle time and requests.
 
 aiohttp's server bounds each request line and header line (8190 bytes) and the
-number of header lines (128), but not their total: 126 lines of 8 KB, about
-1 MB, were accepted, and 300 such unfinished heads took the RSS from 232 MB to
-649 MB. It has one timer, `keepalive_timeout`, which also ends an unfinished
-head, and none between the reads of a request body. So this module adds, at
-the protocol level where the bytes arrive:
+number of header lines (128), but not their total, so one head may hold about
+1 MB. Its one timer, `keepalive_timeout`, also ends an unfinished head, and
+nothing times the reads of a request body. So this module adds, at the
+protocol level where the bytes arrive:
 
 - **client_header_timeout**: a request head must arrive whole within this of
   its first byte; for a connection's first request, of the connection's start
   (as nginx counts it). A head left unfinished gets `408` problem+json and the
   connection is closed; a new connection that never sent a byte is closed.
 - **keepalive_timeout**: an idle connection between requests is closed (aiohttp's
-  own timer, which here no longer ends a head in progress).
+  own timer, which here does not end a head in progress).
 - **max_header_size**: the request line and header lines together. A head past
   it gets `431` problem+json as soon as the bytes received show it, finished or
   not, so an unfinished head never holds more than this (plus one read).
@@ -22,22 +21,21 @@ the protocol level where the bytes arrive:
 - **keepalive_requests**: after this many requests on one connection, the last
   is answered with `Connection: close`.
 
-The cost per request is a few attribute updates and one clock read: the head
-is sized from the bytes received, and the request line and headers are summed
-exactly only when that count passes the cap or cannot be attributed to one head
-(pipelined requests, or a head that began in the same read as the end of the
-previous request's body). One timer per connection watches the head and body
-deadlines, re-armed lazily like aiohttp's keep-alive timer, never per request.
-
-A head begun in the same read as the end of the previous request is measured
-from its next read: until then the connection looks idle, so it is bounded by
-keepalive_timeout, and at the latest by the two timeouts together.
+Per request this costs a few attribute updates and one clock read: a head is
+sized from the bytes received, and summed exactly only when that count passes
+the cap or cannot be attributed to one head (pipelined requests, or a head
+begun in the read that ended the previous request). Such a head is timed from its
+next read, so it is bounded by keepalive_timeout, and at the latest by the two
+timeouts together. One timer per connection watches the head and body
+deadlines, re-armed lazily, never per request.
 
 A client that hangs up while its request is with the upstream cancels it: the
 handler marks that phase with `cancel_on_hangup`, and a lost connection cancels
 the handler's task there, so the upstream request is abandoned at once instead
-of run to completion for nobody. Nowhere else: a task cancelled
-inside the limiter's check could leave a charge that no metric counts.
+of run to completion for nobody. Nowhere else: a task cancelled inside the
+limiter's check could leave a charge that no metric counts.
+
+Trusts nothing a client sends; the bounds are the config's `clients`.
 """
 
 from __future__ import annotations

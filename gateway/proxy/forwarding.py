@@ -210,8 +210,8 @@ class HttpAttempt:
             response.headers.update(limit_headers)
             response.headers["X-Request-ID"] = record.request_id
             if request.version == HttpVersion10 and hdrs.CONTENT_LENGTH not in response.headers:
-                # To HTTP/1.0 such a body ends with the connection, and aiohttp kept the
-                # connection of a keep-alive client: it waited out keepalive_timeout.
+                # To HTTP/1.0 such a body ends with the connection; aiohttp would keep a
+                # keep-alive client's open, and the client would wait out keepalive_timeout.
                 response.force_close()
             await response.prepare(request)
             try:

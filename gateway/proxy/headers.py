@@ -56,7 +56,7 @@ def end_to_end(
     """A copy of `headers` without hop-by-hop fields; every value of a repeated field is kept.
     Fields in `keep` (lower case) stay even when Connection names them."""
     # Copying whole and removing the few hop-by-hop fields present runs in multidict's C
-    # code; filtering field by field in Python took five times as long.
+    # code; filtering field by field in Python takes five times as long.
     kept = CIMultiDict(headers)
     for name in HOP_BY_HOP:
         if name in kept:

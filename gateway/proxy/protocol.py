@@ -122,7 +122,7 @@ def version_problem(request: web.BaseRequest) -> web.Response | None:
 def coding_problem(request: web.BaseRequest) -> web.Response | None:
     """A 501 for a request body in a transfer coding other than chunked, such as
     `Transfer-Encoding: gzip, chunked`: llhttp removes the chunked framing and leaves the
-    gzip, which reached the upstream as a plain body (see gateway.proxy.headers). Nothing
+    gzip, which would reach the upstream as a plain body (see gateway.proxy.headers). Nothing
     of the body is read, so the connection closes, as nginx closes it."""
     if hdrs.TRANSFER_ENCODING not in request.headers or not unrelayable_coding(request.headers):
         return None
@@ -187,7 +187,7 @@ class _RequestHandler(BoundedRequestHandler):
         """A request asking to switch to a protocol the gateway does not speak (`Upgrade: h2c`):
         it is answered as plain HTTP/1.1, its Upgrade dropped as hop-by-hop. llhttp stops at
         such a request and aiohttp drops the rest of the read, so requests pipelined behind it
-        were never answered. The rest is found again with llhttp (httptools) when the read
+        would go unanswered. The rest is found again with llhttp (httptools) when the read
         began a request (`data`) and this one has no body, and fed on; else the connection
         closes after the answer, which tells a pipelining client to send the rest again
         (RFC 9112 §9.3.2)."""

@@ -1,18 +1,12 @@
 """The config compiled for the request path: one plan per route, built once at start.
 
 Whatever a request needs that depends on the config alone is made here and
-only read per request: each route's metric children (with its label), its
-upstream base URL and timeouts, the prefix it strips, its header rewrites and
-Location rewrite, its rate-limit fields (`gateway.proxy.ratelimit_headers`),
-for each of its limits the identity key, whether it has tiers or an allowlist,
-and the rejection it answers with (status, body split where the seconds go,
-content type), the indices of the limits that are enforced (not shadow), and
-for each concurrency limit its metric children and 429, and for a pool its
-balancer and each target's metric children. The gateway's fixed answers (404,
-the shed 503, a pool's 503, a concurrency 429) are serialised here with their
-headers (`gateway.proxy.problem.Problem`).
-`Plans` holds every plan and every cache keyed by them, so a reload can build
-new ones and swap a single reference.
+only read per request: metric children, the upstream and its timeouts, header
+and Location rewrites, rate-limit fields, each limit's identity key and
+rejection, a pool's balancer, and the gateway's fixed answers serialised with
+their headers (`gateway.proxy.problem.Problem`). `Plans` holds every plan and
+every cache keyed by them, so a reload builds new ones and swaps a single
+reference.
 
 Trusts the config, which `gateway.config.loader` has validated.
 """

@@ -21,13 +21,13 @@ as for identity sources (gateway.identity.values), a header or query
 parameter a condition reads is refused with 400 (ConditionRejected) when it is
 given twice (first-value and last-value readers would see different values
 from the gateway's), when it holds characters outside visible ASCII (the
-header writer drops bytes it cannot encode, so `\x801` reached the upstream as
-`1`), when Connection names it or another line's name reads as it under CGI
+header writer drops bytes it cannot encode, so `\x801` would reach the upstream
+as `1`), when Connection names it or another line's name reads as it under CGI
 rules (`X_Debug`), or when a server that splits queries on ";" would read it
 otherwise (`?x=0;debug=1`). Only conditions that are evaluated judge anything.
 
-Everything a route's match needs is formed once, when the Router is built; a
-plain prefix route costs what it did before the other forms existed.
+Everything a route's match needs is formed once, when the Router is built, so a
+plain prefix route pays nothing for the other forms.
 `shadowed` tells, for `gateway check`, which routes an earlier one certainly hides.
 """
 
