@@ -19,6 +19,7 @@ from gateway.testing import running_gateway
 from tests.examples import ALIAS_BOMBS
 from tests.helpers import script_calls
 from tests.processes import GatewayProcess, RedisServer, eventually, free_port
+from tests.scrape import until_in_flight
 from tests.test_cli import DEADLINE, metric
 from tests.upstream import running_upstream
 
@@ -111,31 +112,29 @@ async def test_a_bad_config_on_sighup_keeps_the_old_one_logs_one_line_and_counts
             assert await metric(client, gw.admin_url, "gateway_config_last_reload_success_timestamp") == 0
 
 
-async def test_an_alias_bomb_on_sighup_is_refused_in_one_line_and_the_old_config_serves_on(upstream):
+async def refused_on_sighup(upstream: str, bad: str, logged: str) -> None:
+    """A reload to `bad` fails with `logged` in the log and no traceback; the old config
+    (burst 2, one token spent before the reload) serves on and the failure is counted."""
     with GatewayProcess(limited_yaml(upstream, burst=2)) as gw:
         async with aiohttp.ClientSession() as client:
             assert await status(client, gw.url + "/echo") == 200
-            await reload_with(gw, ALIAS_BOMBS["eight levels"], "config reload failed")
-            assert any("aliases expand the document by more than" in line for line in gw.stderr_lines)
+            await reload_with(gw, bad, "config reload failed")
+            assert any(logged in line for line in gw.stderr_lines)
             assert not any("Traceback" in line for line in gw.stderr_lines)
             assert await status(client, gw.url + "/echo") == 200
             assert await status(client, gw.url + "/echo") == 429
             assert await metric(client, gw.admin_url, "gateway_config_reload_failures_total") == 1
+
+
+async def test_an_alias_bomb_on_sighup_is_refused_in_one_line_and_the_old_config_serves_on(upstream):
+    await refused_on_sighup(upstream, ALIAS_BOMBS["eight levels"], "aliases expand the document by more than")
 
 
 async def test_a_rate_outside_its_range_on_sighup_is_refused_in_one_line_and_counted(upstream):
     """A rate whose period reads as inf once made every plan's refill time a ZeroDivisionError:
     the reload logged a traceback and counted no failure."""
-    with GatewayProcess(limited_yaml(upstream, burst=2)) as gw:
-        async with aiohttp.ClientSession() as client:
-            assert await status(client, gw.url + "/echo") == 200
-            bad = limited_yaml(upstream, burst=2).replace("rate: 1/hour", "rate: 1/" + "9" * 400 + "s")
-            await reload_with(gw, bad, "config reload failed")
-            assert any("per_ip.rate: expected a rate whose period is" in line for line in gw.stderr_lines)
-            assert not any("Traceback" in line for line in gw.stderr_lines)
-            assert await status(client, gw.url + "/echo") == 200
-            assert await status(client, gw.url + "/echo") == 429
-            assert await metric(client, gw.admin_url, "gateway_config_reload_failures_total") == 1
+    bad = limited_yaml(upstream, burst=2).replace("rate: 1/hour", "rate: 1/" + "9" * 400 + "s")
+    await refused_on_sighup(upstream, bad, "per_ip.rate: expected a rate whose period is")
 
 
 async def test_an_unchanged_limit_keeps_its_bucket_across_a_reload(upstream):
@@ -208,11 +207,7 @@ async def test_a_request_in_flight_finishes_on_the_config_it_started_with(upstre
     with GatewayProcess(limited_yaml(upstream, burst=5)) as gw:
         async with aiohttp.ClientSession() as client:
             slow = asyncio.create_task(status(client, gw.url + "/slow?seconds=1"))
-
-            async def in_flight() -> bool:
-                return await metric(client, gw.admin_url, "gateway_requests_in_flight") == 1
-
-            await eventually(in_flight, what="the request to be in flight")
+            await until_in_flight(client, gw.admin_url)
             # The new config sends / nowhere: a request that started before still reaches the upstream.
             await reload_with(gw, limited_yaml("http://127.0.0.1:9", burst=5), RELOADED)
             assert await asyncio.wait_for(slow, DEADLINE) == 200
@@ -282,11 +277,7 @@ async def test_sigterm_exits_within_the_grace_with_a_slow_request_in_flight(upst
     with GatewayProcess(limited_yaml(upstream, burst=5, extra=f"shutdown_grace: {grace:g}s\n")) as gw:
         async with aiohttp.ClientSession() as client:
             request = asyncio.create_task(status(client, gw.url + "/slow?seconds=30"))
-
-            async def in_flight() -> bool:
-                return await metric(client, gw.admin_url, "gateway_requests_in_flight") == 1
-
-            await eventually(in_flight, what="the request to be in flight")
+            await until_in_flight(client, gw.admin_url)
             signalled = time.monotonic()
             gw.signal(signal.SIGTERM)
 
