@@ -214,12 +214,18 @@ async def test_a_request_in_flight_finishes_on_the_config_it_started_with(upstre
             assert await status(client, gw.url + "/echo") == 502
 
 
-async def test_every_worker_reloads_on_sighup(upstream, redis_server):
-    listen = {
-        "extra": f"workers: 2\nstore: {{url: '{redis_server.url}'}}\n",
+def two_workers(redis_url: str) -> dict[str, str]:
+    """`limited_yaml`'s settings for two workers on one Redis, their ports picked here so
+    that every version of the config a test writes keeps them."""
+    return {
+        "extra": f"workers: 2\nstore: {{url: '{redis_url}'}}\n",
         "listen": f"127.0.0.1:{free_port()}",
         "admin": f"127.0.0.1:{free_port()}",
     }
+
+
+async def test_every_worker_reloads_on_sighup(upstream, redis_server):
+    listen = two_workers(redis_server.url)
     with GatewayProcess(limited_yaml(upstream, burst=1, **listen)) as gw:
         await eventually(lambda: count(gw, "listening on") == 2, what="both workers to listen")
         await reload_with(gw, limited_yaml(upstream, burst=1, second_route=True, **listen), RELOADED)
@@ -234,11 +240,7 @@ async def test_every_worker_reloads_on_sighup(upstream, redis_server):
 async def test_with_workers_a_bad_file_is_refused_once_and_watch_reloads_every_worker(upstream, redis_server):
     # The supervisor checks each reload for its workers: a bad file is one log line and one
     # count, not one per worker, whether a SIGHUP or an edit (--watch) brought it.
-    listen = {
-        "extra": f"workers: 2\nstore: {{url: '{redis_server.url}'}}\n",
-        "listen": f"127.0.0.1:{free_port()}",
-        "admin": f"127.0.0.1:{free_port()}",
-    }
+    listen = two_workers(redis_server.url)
     failed = "config reload failed, the old config serves on"
     with GatewayProcess(limited_yaml(upstream, burst=1, **listen), args=("--watch",)) as gw:
         await eventually(lambda: count(gw, "listening on") == 2, what="both workers to listen")
