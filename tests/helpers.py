@@ -36,9 +36,11 @@ def script_calls(client: redis.Redis) -> int:
     return client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
 
 
-def store_config(url: str, *, timeout: float = 1.0, key_secret: str | None = "s" * 32) -> StoreConfig:
-    """A Redis store's settings as the tests use them: prefix rl:, no local share, a deep queue."""
-    return StoreConfig(url=url, timeout=timeout, prefix="rl:", local_divisor=1, max_pending=4096, key_secret=key_secret)
+def store_config(
+    url: str, *, timeout: float = 1.0, max_pending: int = 4096, key_secret: str | None = "s" * 32
+) -> StoreConfig:
+    """A Redis store's settings as the tests use them: prefix rl:, the whole limit on every gateway."""
+    return StoreConfig(url=url, timeout=timeout, prefix="rl:", local_divisor=1, max_pending=max_pending, key_secret=key_secret)
 
 
 @contextlib.asynccontextmanager
