@@ -98,6 +98,12 @@ PER_CLIENT = """
     burst: 50
     key: header:X-API-Key
 """
+PER_SECOND = """
+  per_second:
+    rate: 20/second
+    burst: 10
+    key: header:X-API-Key
+"""
 
 
 async def test_bucket_key_is_prefix_limit_and_hash_tagged_identity_digest(redis_server, upstream):
@@ -220,13 +226,7 @@ async def test_concurrent_requests_share_one_pipelined_connection(redis_server, 
 
 
 async def test_bucket_ttl_is_the_full_refill_time(redis_server, upstream):
-    limits = PER_CLIENT + """
-  per_second:
-    rate: 20/second
-    burst: 10
-    key: header:X-API-Key
-"""
-    config = gateway_yaml(redis_server.url, upstream, limits, "[per_client, per_second]")
+    config = gateway_yaml(redis_server.url, upstream, PER_CLIENT + PER_SECOND, "[per_client, per_second]")
     client = redis_server.client()
     async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
         async with http.get(gw.url + "/a", headers={"X-API-Key": "k"}) as response:
@@ -242,13 +242,7 @@ async def test_bucket_ttl_is_the_full_refill_time(redis_server, upstream):
 
 
 async def test_idle_bucket_keys_vanish(redis_server, upstream):
-    limits = """
-  per_second:
-    rate: 20/second
-    burst: 10
-    key: header:X-API-Key
-"""
-    config = gateway_yaml(redis_server.url, upstream, limits, "[per_second]")
+    config = gateway_yaml(redis_server.url, upstream, PER_SECOND, "[per_second]")
     client = redis_server.client()
     async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
         for i in range(5):
