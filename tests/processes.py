@@ -60,6 +60,17 @@ async def eventually(predicate, *, what: str, deadline: float = START_DEADLINE) 
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def terminate(process: subprocess.Popen, *, grace: float = 10) -> None:
+    """SIGTERM `process` if it still runs, and SIGKILL it if it has not ended `grace` seconds later."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 class PortTaken(AssertionError):
     """A redis-server could not bind the free port chosen for it."""
 
@@ -408,13 +419,7 @@ class GatewayProcess:
     def stop(self) -> int | None:
         if self.process is None:
             return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process, grace=30)
         self._stderr_read.set()
         for reader in self._readers:
             reader.join(timeout=5)  # they end at EOF, once the process and its children are gone

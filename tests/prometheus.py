@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from tests.processes import START_DEADLINE, free_port, wait_until
+from tests.processes import START_DEADLINE, free_port, terminate, wait_until
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
@@ -92,11 +92,6 @@ class PrometheusServer:
         return data["result"]
 
     def __exit__(self, *exc: object) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            terminate(self.process)
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -8,7 +8,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from tests.processes import eventually
+from tests.processes import START_DEADLINE, eventually
 
 
 async def scrape(client: aiohttp.ClientSession, admin_url: str) -> tuple[str, list[Sample]]:
@@ -41,8 +41,14 @@ async def settled_decisions(client: aiohttp.ClientSession, admin_url: str) -> di
     """`decisions` once no request is in flight: a load generator that stopped leaves
     requests still being answered, and each is counted only when it is decided."""
 
-    async def idle() -> bool:
-        return value((await scrape(client, admin_url))[1], "gateway_requests_in_flight") == 0
-
-    await eventually(idle, what="the gateway to finish the requests in flight")
+    await until_in_flight(client, admin_url, 0)
     return await decisions(client, admin_url)
+
+
+async def until_in_flight(client: aiohttp.ClientSession, admin_url: str, count: int = 1, *, deadline: float = START_DEADLINE) -> None:
+    """Waits until gateway_requests_in_flight reads `count`."""
+
+    async def reached() -> bool:
+        return value((await scrape(client, admin_url))[1], "gateway_requests_in_flight") == count
+
+    await eventually(reached, what=f"{count} request(s) in flight", deadline=deadline)

@@ -14,7 +14,7 @@ from gateway.identity.methods import KNOWN_METHODS
 from gateway.metrics import UNMATCHED_ROUTE
 from gateway.testing import running_gateway
 from tests.processes import RedisServer, eventually
-from tests.scrape import scrape, value
+from tests.scrape import scrape, until_in_flight, value
 
 POLL_DEADLINE = 10.0
 
@@ -129,11 +129,7 @@ async def test_requests_in_flight_counts_a_request_until_it_finishes(upstream, c
 
         task = asyncio.ensure_future(upload())
         try:
-
-            async def one_in_flight() -> bool:
-                return value((await scrape(client, gw.admin_url))[1], "gateway_requests_in_flight") == 1
-
-            await eventually(one_in_flight, what="one request in flight", deadline=POLL_DEADLINE)
+            await until_in_flight(client, gw.admin_url, deadline=POLL_DEADLINE)
         finally:
             release.set()
         assert await task == {"received": len(b"first part, last part")}

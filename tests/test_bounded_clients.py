@@ -106,15 +106,21 @@ def _problem(response: tuple[int, dict[str, str], bytes], status: int) -> dict:
 # --- client_header_timeout and keepalive_timeout --------------------------------
 
 
-async def test_an_unfinished_head_gets_408_and_is_closed_at_client_header_timeout(upstream):
-    async with running_gateway(_config(upstream, "client_header_timeout: 300ms")) as gw:
+async def _408_after_300ms(upstream: str, setting: str, sent: bytes) -> None:
+    """`sent` and then nothing, against a 300 ms `setting`: a 408 naming 0.3 s, and the
+    connection closed no sooner."""
+    async with running_gateway(_config(upstream, setting)) as gw:
         async with _connection(gw.url) as (reader, writer):
-            writer.write(b"GET /echo HTTP/1.1\r\nHost: gateway.test\r\nX-Half: ")
+            writer.write(sent)
             data, elapsed = await _read_until_closed(reader, 0.3 + SLACK)
     assert elapsed >= 0.25
     (response,) = _responses(data)
     problem = _problem(response, 408)
     assert "0.3 s" in problem["detail"]
+
+
+async def test_an_unfinished_head_gets_408_and_is_closed_at_client_header_timeout(upstream):
+    await _408_after_300ms(upstream, "client_header_timeout: 300ms", b"GET /echo HTTP/1.1\r\nHost: gateway.test\r\nX-Half: ")
 
 
 async def test_a_head_sent_a_byte_at_a_time_is_timed_from_its_first_byte_not_between_bytes(upstream):
@@ -271,14 +277,7 @@ async def test_websocket_traffic_past_the_header_cap_is_not_a_head(upstream, cli
 )
 async def test_a_stalled_body_gets_408_at_client_body_timeout(upstream, head, first_piece):
     request = b"POST /sink HTTP/1.1\r\nHost: gateway.test\r\n" + head + b"\r\n" + first_piece
-    async with running_gateway(_config(upstream, "client_body_timeout: 300ms")) as gw:
-        async with _connection(gw.url) as (reader, writer):
-            writer.write(request)
-            data, elapsed = await _read_until_closed(reader, 0.3 + SLACK)
-    assert elapsed >= 0.25
-    (response,) = _responses(data)
-    problem = _problem(response, 408)
-    assert "0.3 s" in problem["detail"]
+    await _408_after_300ms(upstream, "client_body_timeout: 300ms", request)
 
 
 async def test_the_body_timeout_is_measured_between_reads_not_over_the_whole_body(upstream):

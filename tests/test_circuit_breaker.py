@@ -23,9 +23,10 @@ from gateway.limiter.limiter import Limiter
 from gateway.limiter.store import LimitCheck
 from gateway.redis.store import RedisStore
 from gateway.testing import running_gateway
+from tests.helpers import store_config
 from tests.processes import RedisServer, eventually
 from tests.scrape import scrape, value
-from tests.test_redis_failures import gateway_yaml, get, one_limit, store_config
+from tests.test_redis_failures import gateway_yaml, get, one_limit
 
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
@@ -134,7 +135,7 @@ async def test_a_probe_that_could_not_be_sent_leaves_the_probe_to_the_next_check
     probe used to open the breaker for another 0.5 s: with the reconnect backoff of up
     to 0.5 s on top, decisions resumed up to 1 s after Redis was back.)"""
     server = RedisServer()  # a free port, nothing listening yet
-    store = RedisStore(store_config(server.url, timeout=0.01))
+    store = RedisStore(store_config(server.url, timeout=0.01, key_secret=None))
     changes: list[BreakerState] = []
     limiter = Limiter(store, shared_store=True, on_breaker_change=changes.append)
     check = [LimitCheck(limit=one_limit(burst=1000), identity="header:x-api-key=k", cost=1)]

@@ -20,6 +20,7 @@ from aiohttp import web
 from gateway import __version__
 from tests.examples import ALIAS_BOMBS, ISSUE_EXAMPLE
 from tests.processes import GatewayProcess, eventually, free_port, run_cli, wait_until
+from tests.scrape import until_in_flight
 
 VENV_GATEWAY = Path(sys.executable).parent / "gateway"
 DEADLINE = 15.0
@@ -461,11 +462,7 @@ async def test_sigterm_lets_a_slow_request_finish(upstream):
     with GatewayProcess(gateway_yaml(upstream, "shutdown_grace: 10s\n")) as gw:
         async with aiohttp.ClientSession() as client:
             request = asyncio.create_task(fetch(client, gw.url + "/slow?seconds=1"))
-
-            async def in_flight() -> bool:
-                return await metric(client, gw.admin_url, "gateway_requests_in_flight") == 1
-
-            await eventually(in_flight, what="the request to be in flight")
+            await until_in_flight(client, gw.admin_url)
             gw.signal(signal.SIGTERM)
             assert await asyncio.wait_for(request, DEADLINE) == (200, "slow")
             assert await asyncio.to_thread(gw.wait, DEADLINE) == 0
@@ -475,11 +472,7 @@ async def test_request_slower_than_the_grace_is_cut_and_the_process_still_exits_
     with GatewayProcess(gateway_yaml(upstream, "shutdown_grace: 300ms\n")) as gw:
         async with aiohttp.ClientSession() as client:
             request = asyncio.create_task(fetch(client, gw.url + "/slow?seconds=30"))
-
-            async def in_flight() -> bool:
-                return await metric(client, gw.admin_url, "gateway_requests_in_flight") == 1
-
-            await eventually(in_flight, what="the request to be in flight")
+            await until_in_flight(client, gw.admin_url)
             signalled = time.monotonic()
             gw.signal(signal.SIGTERM)
             status = await asyncio.to_thread(gw.wait, DEADLINE)

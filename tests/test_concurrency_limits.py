@@ -112,12 +112,19 @@ async def raw_websocket(gateway: GatewayProcess, path: str) -> tuple[asyncio.Str
     return reader, writer
 
 
+async def held_request(gateway: GatewayProcess, upstream: CountingUpstream) -> asyncio.StreamWriter:
+    """A request for /held as key k on a bare TCP connection, once the upstream holds it:
+    the connection can then be dropped mid-request, as a client's can."""
+    host, port = gateway.url.removeprefix("http://").split(":")
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET /held HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\n\r\n")
+    await eventually(lambda: upstream.in_flight["k"] == 1, what="the request held upstream")
+    return writer
+
+
 async def test_a_concurrency_429_advertises_its_limit_in_concurrent_requests(redis_server):
     async with gateway_on(redis_server.url) as (gateway, upstream, http, _):
-        host, port = gateway.url.removeprefix("http://").split(":")
-        _, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"GET /held HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\n\r\n")
-        await eventually(lambda: upstream.in_flight["k"] == 1, what="the request held upstream")
+        writer = await held_request(gateway, upstream)
         async with http.get(gateway.url + "/fast", headers=KEY) as response:
             problem = await response.json(content_type=None)
             assert response.status == 429
@@ -132,10 +139,7 @@ async def test_a_concurrency_429_advertises_its_limit_in_concurrent_requests(red
 
 async def test_a_client_that_hangs_up_gives_its_lease_back(redis_server):
     async with gateway_on(redis_server.url) as (gateway, upstream, _, status):
-        host, port = gateway.url.removeprefix("http://").split(":")
-        _reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"GET /held HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\n\r\n")
-        await eventually(lambda: upstream.in_flight["k"] == 1, what="the request held upstream")
+        writer = await held_request(gateway, upstream)
         assert await status("/fast") == 429
         writer.close()
         await writer.wait_closed()

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from gateway.config.model import Limit, StoreConfig
+from gateway.config.model import Limit
 from gateway.limiter import denial_cache
 from gateway.limiter.client_waves import ClientWaves, Wave
 from gateway.limiter.denial_cache import DenialCache, could_pass_in, held_until
@@ -25,6 +25,7 @@ from gateway.limiter.store import LimitCheck, StoreError
 from gateway.redis.secret import SECRET_KEY_SUFFIX
 from gateway.redis.store import RedisStore
 from gateway.testing import config_from_yaml
+from tests.helpers import store_config
 
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
@@ -281,7 +282,7 @@ async def test_under_random_traffic_from_three_gateways_the_cache_never_denies_w
     admit into that debt (after a wait) is one the cache must not deny."""
     redis_server = dedicated_redis
     # The default store.timeout: every decision must come from Redis or the cache.
-    config = StoreConfig(url=redis_server.url, timeout=0.01, prefix="rl:", local_divisor=1, max_pending=4096, key_secret=None)
+    config = store_config(redis_server.url, timeout=0.01, key_secret=None)
     stores = [RedisStore(config) for _ in range(3)]
     limiters = [Limiter(store, shared_store=True) for store in stores]
     per_client = limit(rate="40/second", burst=4, shape=f"mode: delay, max_delay: {max_delay * 1000:g}ms" if max_delay else "")

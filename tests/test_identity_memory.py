@@ -8,8 +8,6 @@ structures alone, and as the RSS of a gateway process for a flood."""
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import tracemalloc
 
 import aiohttp
@@ -21,6 +19,7 @@ from gateway.limiter.keys import COMPACT_IDENTITY, memory_key
 from gateway.limiter.store import LimitCheck
 from gateway.limiter.token_leases import Leases
 from gateway.testing import running_gateway
+from tests.helpers import flood
 from tests.processes import GatewayProcess
 from tests.test_denial_cache import limit
 from tests.upstream import CountingUpstream, serving
@@ -120,18 +119,9 @@ routes:
             async with http.get(gateway.url + "/warm", headers={"X-API-Key": "warm"}) as response:
                 assert response.status == 200
             start = gateway.rss_bytes()
-            statuses: dict[int, int] = {}
-            keys = itertools.count()
-
-            async def send(length: int) -> None:
-                key = f"{next(keys):08d}".ljust(length, "k")
-                async with http.get(gateway.url + "/x", headers={"X-API-Key": key}) as response:
-                    await response.read()
-                    statuses[response.status] = statuses.get(response.status, 0) + 1
-
-            for length in (8_000, MAX_IDENTITY_LENGTH - len("header:x-api-key=")):
-                for _ in range(8_000 // 64):
-                    await asyncio.gather(*(send(length) for _ in range(64)))
+            lengths = [8_000] * 8_000 + [MAX_IDENTITY_LENGTH - len("header:x-api-key=")] * 8_000
+            keys = (f"{n:08d}".ljust(length, "k") for n, length in enumerate(lengths))
+            statuses = await flood(http, gateway.url + "/x", keys)
             grown = gateway.rss_bytes() - start
     print(f"\nFIGURES RSS {start / 1024 / 1024:.0f} MB -> +{grown / 1024 / 1024:.1f} MB after {statuses}")
     assert statuses == {431: 8_000, 200: 8_000}, statuses

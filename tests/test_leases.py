@@ -9,13 +9,13 @@ import time
 
 import pytest
 
-from gateway.config.model import StoreConfig
 from gateway.limiter import leases
 from gateway.limiter.concurrency import Concurrency
 from gateway.limiter.memory_store import MemoryStore
 from gateway.limiter.store import LeaseCheck, LeaseDecision, Store
 from gateway.redis.store import RedisStore
 from gateway.testing import config_from_yaml
+from tests.helpers import open_store, redis_store, store_config
 from tests.processes import RedisCluster, RedisServer, eventually, free_port
 
 LIMITS_YAML = """
@@ -106,35 +106,23 @@ def cluster_for_leases():
         yield cluster
 
 
-def _store_config(url: str) -> StoreConfig:
-    return StoreConfig(url=url, timeout=1.0, prefix="rl:", local_divisor=1, max_pending=4096, key_secret="s" * 32)
-
-
 @pytest.fixture(params=["memory", "redis", "cluster"])
 async def store(request):
-    if request.param == "memory":
-        memory = MemoryStore()
-        yield memory
-        await memory.close()
-        return
+    url = None
     if request.param == "redis":
         server = request.getfixturevalue("redis_for_leases")
         with server.client() as client:
             client.flushall()
         url = server.url
-    else:
+    elif request.param == "cluster":
         cluster = request.getfixturevalue("cluster_for_leases")
         for node in cluster.nodes[:3]:
             with cluster.node_client(node.port) as client:
                 if client.info("replication")["role"] == "master":
                     client.flushall()
         url = cluster.url
-    shared = RedisStore(_store_config(url))
-    await shared.start()
-    try:
-        yield shared
-    finally:
-        await shared.close()
+    async with open_store(url) as opened:
+        yield opened
 
 
 def lease(name: str, lease_id: str, identity: str = "header:x-api-key=k") -> LeaseCheck:
@@ -220,12 +208,8 @@ async def test_an_expired_lease_is_read_as_gone_and_a_reset_finds_none_live(stor
 async def test_a_lease_set_lives_no_longer_than_its_last_lease(redis_for_leases):
     with redis_for_leases.client() as client:
         client.flushall()
-        shared = RedisStore(_store_config(redis_for_leases.url))
-        await shared.start()
-        try:
+        async with redis_store(redis_for_leases.url) as shared:
             await shared.acquire(lease("one", "a"))
-        finally:
-            await shared.close()
         (key,) = client.keys("rl:one:leases:*")
         assert 0 < client.pttl(key) <= 1000
         assert client.zcard(key) == 1
@@ -251,7 +235,7 @@ async def test_leases_taken_before_a_refusal_are_given_back():
 
 
 async def test_a_store_that_cannot_be_reached_leaves_each_limit_to_its_policy():
-    down = RedisStore(_store_config(f"redis://127.0.0.1:{free_port()}/0"))  # nothing listens there
+    down = RedisStore(store_config(f"redis://127.0.0.1:{free_port()}/0"))  # nothing listens there
     concurrency = Concurrency(down, local_divisor=2)
     yaml = """
 limits:

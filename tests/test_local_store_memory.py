@@ -9,13 +9,13 @@ charges nothing, and is served again once they end."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 
 import aiohttp
 import pytest
 
 from gateway.limiter.memory_store import ENTRY_BYTES
+from tests.helpers import flood
 from tests.processes import GatewayProcess, eventually
 from tests.scrape import decisions, scrape, value
 from tests.upstream import CountingUpstream, serving
@@ -49,16 +49,7 @@ async def test_a_flood_of_new_clients_evicts_the_least_recent_and_memory_stays_w
             async with http.get(gateway.url + "/warm", headers={"X-API-Key": "warm"}) as response:
                 assert response.status == 200
             start = gateway.rss_bytes()
-            statuses: dict[int, int] = {}
-            keys = itertools.count()
-
-            async def send() -> None:
-                async with http.get(gateway.url + "/x", headers={"X-API-Key": f"client-{next(keys)}"}) as response:
-                    await response.read()
-                    statuses[response.status] = statuses.get(response.status, 0) + 1
-
-            for _ in range(20_000 // 64):
-                await asyncio.gather(*(send() for _ in range(64)))
+            statuses = await flood(http, gateway.url + "/x", (f"client-{n}" for n in range(20_000 // 64 * 64)))
             grown = gateway.rss_bytes() - start
             evicted = value((await scrape(http, gateway.admin_url))[1], EVICTIONS)
     print(f"\nFIGURES RSS {start / 1024 / 1024:.0f} MB -> +{grown / 1024 / 1024:.1f} MB, {evicted:.0f} evicted")

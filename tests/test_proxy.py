@@ -9,8 +9,10 @@ aiohttp upstream in tests/upstream.py. Where the exact bytes on the wire matter
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
+from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -19,6 +21,7 @@ from aiohttp import web
 from yarl import URL
 
 from gateway.testing import running_gateway
+from tests.helpers import refused_handshake
 from tests.processes import eventually, free_port
 from tests.raw_client import RAW_TIMEOUT, raw_exchange, values
 from tests.scrape import scrape, value
@@ -361,11 +364,23 @@ async def test_the_limit_applies_to_the_websocket_handshake(upstream, client):
         async with client.ws_connect(gw.url + "/ws", protocols=("chat",)) as ws:
             await ws.send_str("first")
             assert await ws.receive_str(timeout=RAW_TIMEOUT) == "echo:first"
-            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
-                await client.ws_connect(gw.url + "/ws", protocols=("chat",))
-            assert refused.value.status == 429
+            assert await refused_handshake(client, gw.url + "/ws", protocols=("chat",)) == 429
             await ws.send_str("still open")
             assert await ws.receive_str(timeout=RAW_TIMEOUT) == "echo:still open"
+
+
+@contextlib.asynccontextmanager
+async def open_websockets(
+    client: aiohttp.ClientSession, url: str, count: int
+) -> AsyncIterator[list[aiohttp.ClientWebSocketResponse]]:
+    """`count` WebSockets open to `url`, each holding one of the upstream's connections;
+    the ones still open are closed on the way out."""
+    sockets = [await client.ws_connect(url, protocols=("chat",)) for _ in range(count)]
+    try:
+        yield sockets
+    finally:
+        for ws in sockets:
+            await ws.close()
 
 
 async def test_open_websockets_and_requests_share_the_upstreams_connections(upstream, client):
@@ -374,22 +389,16 @@ async def test_open_websockets_and_requests_share_the_upstreams_connections(upst
     waiting for a WebSocket to close, and one closing frees a connection for a request."""
     config = "upstream_connections: 20\n" + passthrough_config(upstream, timeout="{queue: 200ms}")
     async with running_gateway(config) as gw:
-        sockets = [await client.ws_connect(gw.url + "/ws", protocols=("chat",)) for _ in range(20)]
-        try:
+        async with open_websockets(client, gw.url + "/ws", 20) as sockets:
             async with client.get(gw.url + "/echo") as response:
                 body = await assert_problem(response, 503)
             assert "No connection to the upstream came free within 0.2 s" in body["detail"]
-            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
-                await client.ws_connect(gw.url + "/ws", protocols=("chat",))
-            assert refused.value.status == 503
+            assert await refused_handshake(client, gw.url + "/ws", protocols=("chat",)) == 503
             await sockets.pop().close()
             async with client.get(gw.url + "/echo") as response:
                 assert response.status == 200
             await sockets[0].send_str("still open")
             assert await sockets[0].receive_str(timeout=RAW_TIMEOUT) == "echo:still open"
-        finally:
-            for ws in sockets:
-                await ws.close()
         _, samples = await scrape(client, gw.admin_url)
         assert value(samples, "gateway_upstream_unavailable_total", reason="queue_full") == 2
 
@@ -409,21 +418,15 @@ routes:
 """
     bounded = aiohttp.ClientTimeout(total=RAW_TIMEOUT)
     async with running_gateway(config) as gw, aiohttp.ClientSession(timeout=bounded) as client:
-        sockets = [await client.ws_connect(gw.url + "/ws", protocols=("chat",)) for _ in range(20)]
-        try:
+        async with open_websockets(client, gw.url + "/ws", 20) as sockets:
             async with client.get(gw.url + "/echo/plain") as response:
                 body = await assert_problem(response, 503)
             assert "No connection to the upstream came free within 1 s" in body["detail"]
             assert response.headers["Retry-After"] == "1"
-            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
-                await client.ws_connect(gw.url + "/ws", protocols=("chat",))
-            assert refused.value.status == 503
+            assert await refused_handshake(client, gw.url + "/ws", protocols=("chat",)) == 503
             await sockets.pop().close()
             async with client.get(gw.url + "/echo/plain") as response:
                 assert response.status == 200
-        finally:
-            for ws in sockets:
-                await ws.close()
 
 
 async def test_the_websocket_handshake_response_carries_the_ratelimit_headers(upstream):

@@ -17,10 +17,11 @@ import time
 import aiohttp
 import pytest
 
-from gateway.config.model import Limit, StoreConfig
+from gateway.config.model import Limit
 from gateway.limiter.store import LimitCheck, StoreError
 from gateway.redis.store import RedisStore
 from gateway.testing import config_from_yaml, running_gateway
+from tests.helpers import store_config
 from tests.processes import RedisServer
 
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
@@ -55,10 +56,6 @@ routes:
 """
 
 
-def store_config(url: str, *, timeout: float, max_pending: int = 4096) -> StoreConfig:
-    return StoreConfig(url=url, timeout=timeout, prefix="rl:", local_divisor=1, max_pending=max_pending, key_secret=None)
-
-
 def one_limit(burst: int = 50) -> Limit:
     config = config_from_yaml(
         f"""
@@ -86,7 +83,7 @@ def gateway_connections(redis_server) -> int:
 
 async def test_a_burst_of_checks_shares_one_connection_and_stays_exact(dedicated_redis):
     redis_server = dedicated_redis
-    store = RedisStore(store_config(redis_server.url, timeout=0.01))
+    store = RedisStore(store_config(redis_server.url, timeout=0.01, key_secret=None))
     await store.start()
     try:
         check = [LimitCheck(limit=one_limit(burst=50), identity="header:x-api-key=k", cost=1)]
@@ -102,7 +99,7 @@ async def test_a_burst_of_checks_shares_one_connection_and_stays_exact(dedicated
 
 
 async def test_a_hung_redis_times_out_every_check_and_the_connection_survives(redis_server):
-    store = RedisStore(store_config(redis_server.url, timeout=0.01))
+    store = RedisStore(store_config(redis_server.url, timeout=0.01, key_secret=None))
     await store.start()
     check = [LimitCheck(limit=one_limit(burst=10_000), identity="header:x-api-key=k", cost=1)]
     sent = 0
@@ -148,7 +145,7 @@ async def test_a_hung_redis_times_out_every_check_and_the_connection_survives(re
 
 
 async def test_past_max_pending_a_check_fails_at_once(redis_server):
-    store = RedisStore(store_config(redis_server.url, timeout=0.05, max_pending=20))
+    store = RedisStore(store_config(redis_server.url, timeout=0.05, max_pending=20, key_secret=None))
     await store.start()
     check = [LimitCheck(limit=one_limit(), identity="header:x-api-key=k", cost=1)]
     redis_server.pause()

@@ -22,11 +22,11 @@ import redis.asyncio
 import trustme
 from redis.crc import key_slot
 
-from gateway.config.model import StoreConfig
 from gateway.limiter.keys import identity_digest
 from gateway.limiter.store import LimitCheck
-from gateway.redis.store import ARGS_CACHE_ENTRIES, RedisStore
+from gateway.redis.store import ARGS_CACHE_ENTRIES
 from gateway.testing import config_from_yaml, running_gateway
+from tests.helpers import redis_store
 from tests.processes import RedisServer, eventually, free_port, wait_until
 
 SECRET_KEY = "rl:identity-secret"
@@ -96,6 +96,12 @@ PER_CLIENT = """
   per_client:
     rate: 1/day
     burst: 50
+    key: header:X-API-Key
+"""
+PER_SECOND = """
+  per_second:
+    rate: 20/second
+    burst: 10
     key: header:X-API-Key
 """
 
@@ -220,13 +226,7 @@ async def test_concurrent_requests_share_one_pipelined_connection(redis_server, 
 
 
 async def test_bucket_ttl_is_the_full_refill_time(redis_server, upstream):
-    limits = PER_CLIENT + """
-  per_second:
-    rate: 20/second
-    burst: 10
-    key: header:X-API-Key
-"""
-    config = gateway_yaml(redis_server.url, upstream, limits, "[per_client, per_second]")
+    config = gateway_yaml(redis_server.url, upstream, PER_CLIENT + PER_SECOND, "[per_client, per_second]")
     client = redis_server.client()
     async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
         async with http.get(gw.url + "/a", headers={"X-API-Key": "k"}) as response:
@@ -242,13 +242,7 @@ async def test_bucket_ttl_is_the_full_refill_time(redis_server, upstream):
 
 
 async def test_idle_bucket_keys_vanish(redis_server, upstream):
-    limits = """
-  per_second:
-    rate: 20/second
-    burst: 10
-    key: header:X-API-Key
-"""
-    config = gateway_yaml(redis_server.url, upstream, limits, "[per_second]")
+    config = gateway_yaml(redis_server.url, upstream, PER_SECOND, "[per_second]")
     client = redis_server.client()
     async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
         for i in range(5):
@@ -451,18 +445,12 @@ async def test_each_reloads_new_limits_are_charged_as_configured_and_old_ones_ar
         "limits:\n  per_client: {rate: 1/day, burst: 5, key: header:X-API-Key}\n"
         "routes:\n  - match: {path: /}\n    upstream: http://127.0.0.1:1\n    limits: [per_client]\n"
     ).limits[0]
-    store = RedisStore(
-        StoreConfig(url=redis_server.url, timeout=1.0, prefix="rl:", local_divisor=1, max_pending=4096, key_secret="s" * 32)
-    )
-    await store.start()
-    try:
+    async with redis_store(redis_server.url) as store:
         for reload in range(ARGS_CACHE_ENTRIES + 100):
             limit = dataclasses.replace(base, burst=1 + reload % 50)  # what a reload's loader makes
             decision = await store.check([LimitCheck(limit=limit, identity=f"client-{reload}", cost=1)])
             assert decision.allowed and decision.remaining == (limit.burst - 1,)
         assert len(store._args_cache) <= ARGS_CACHE_ENTRIES
-    finally:
-        await store.close()
 
 
 async def test_a_rediss_server_another_ca_signed_fails_per_policy_and_readyz_says_why(tls_redis, upstream, tmp_path):
@@ -494,19 +482,13 @@ async def test_the_checks_of_one_iteration_go_in_one_script_call_each_all_or_not
         "routes:\n  - match: {path: /}\n    upstream: http://127.0.0.1:1\n    limits: [tight, roomy]\n"
     )
     tight, roomy = config.limits
-    store = RedisStore(
-        StoreConfig(url=redis_server.url, timeout=1.0, prefix="rl:", local_divisor=1, max_pending=4096, key_secret="s" * 32)
-    )
-    await store.start()
-    client = redis_server.client()
-    client.config_resetstat()
-    try:
+    async with redis_store(redis_server.url) as store:
+        client = redis_server.client()
+        client.config_resetstat()
         clients = [f"header:x-api-key=k{i % 3}" for i in range(30)]
         decisions = await asyncio.gather(
             *(store.check([LimitCheck(tight, identity, 1), LimitCheck(roomy, identity, 1)]) for identity in clients)
         )
-    finally:
-        await store.close()
     assert client.info("commandstats")["cmdstat_evalsha"]["calls"] == 1
     for n in range(3):
         mine = decisions[n::3]

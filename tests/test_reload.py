@@ -19,6 +19,7 @@ from gateway.testing import running_gateway
 from tests.examples import ALIAS_BOMBS
 from tests.helpers import script_calls
 from tests.processes import GatewayProcess, RedisServer, eventually, free_port
+from tests.scrape import until_in_flight
 from tests.test_cli import DEADLINE, metric
 from tests.upstream import running_upstream
 
@@ -111,31 +112,29 @@ async def test_a_bad_config_on_sighup_keeps_the_old_one_logs_one_line_and_counts
             assert await metric(client, gw.admin_url, "gateway_config_last_reload_success_timestamp") == 0
 
 
-async def test_an_alias_bomb_on_sighup_is_refused_in_one_line_and_the_old_config_serves_on(upstream):
+async def refused_on_sighup(upstream: str, bad: str, logged: str) -> None:
+    """A reload to `bad` fails with `logged` in the log and no traceback; the old config
+    (burst 2, one token spent before the reload) serves on and the failure is counted."""
     with GatewayProcess(limited_yaml(upstream, burst=2)) as gw:
         async with aiohttp.ClientSession() as client:
             assert await status(client, gw.url + "/echo") == 200
-            await reload_with(gw, ALIAS_BOMBS["eight levels"], "config reload failed")
-            assert any("aliases expand the document by more than" in line for line in gw.stderr_lines)
+            await reload_with(gw, bad, "config reload failed")
+            assert any(logged in line for line in gw.stderr_lines)
             assert not any("Traceback" in line for line in gw.stderr_lines)
             assert await status(client, gw.url + "/echo") == 200
             assert await status(client, gw.url + "/echo") == 429
             assert await metric(client, gw.admin_url, "gateway_config_reload_failures_total") == 1
+
+
+async def test_an_alias_bomb_on_sighup_is_refused_in_one_line_and_the_old_config_serves_on(upstream):
+    await refused_on_sighup(upstream, ALIAS_BOMBS["eight levels"], "aliases expand the document by more than")
 
 
 async def test_a_rate_outside_its_range_on_sighup_is_refused_in_one_line_and_counted(upstream):
     """A rate whose period reads as inf once made every plan's refill time a ZeroDivisionError:
     the reload logged a traceback and counted no failure."""
-    with GatewayProcess(limited_yaml(upstream, burst=2)) as gw:
-        async with aiohttp.ClientSession() as client:
-            assert await status(client, gw.url + "/echo") == 200
-            bad = limited_yaml(upstream, burst=2).replace("rate: 1/hour", "rate: 1/" + "9" * 400 + "s")
-            await reload_with(gw, bad, "config reload failed")
-            assert any("per_ip.rate: expected a rate whose period is" in line for line in gw.stderr_lines)
-            assert not any("Traceback" in line for line in gw.stderr_lines)
-            assert await status(client, gw.url + "/echo") == 200
-            assert await status(client, gw.url + "/echo") == 429
-            assert await metric(client, gw.admin_url, "gateway_config_reload_failures_total") == 1
+    bad = limited_yaml(upstream, burst=2).replace("rate: 1/hour", "rate: 1/" + "9" * 400 + "s")
+    await refused_on_sighup(upstream, bad, "per_ip.rate: expected a rate whose period is")
 
 
 async def test_an_unchanged_limit_keeps_its_bucket_across_a_reload(upstream):
@@ -208,23 +207,25 @@ async def test_a_request_in_flight_finishes_on_the_config_it_started_with(upstre
     with GatewayProcess(limited_yaml(upstream, burst=5)) as gw:
         async with aiohttp.ClientSession() as client:
             slow = asyncio.create_task(status(client, gw.url + "/slow?seconds=1"))
-
-            async def in_flight() -> bool:
-                return await metric(client, gw.admin_url, "gateway_requests_in_flight") == 1
-
-            await eventually(in_flight, what="the request to be in flight")
+            await until_in_flight(client, gw.admin_url)
             # The new config sends / nowhere: a request that started before still reaches the upstream.
             await reload_with(gw, limited_yaml("http://127.0.0.1:9", burst=5), RELOADED)
             assert await asyncio.wait_for(slow, DEADLINE) == 200
             assert await status(client, gw.url + "/echo") == 502
 
 
-async def test_every_worker_reloads_on_sighup(upstream, redis_server):
-    listen = {
-        "extra": f"workers: 2\nstore: {{url: '{redis_server.url}'}}\n",
+def two_workers(redis_url: str) -> dict[str, str]:
+    """`limited_yaml`'s settings for two workers on one Redis, their ports picked here so
+    that every version of the config a test writes keeps them."""
+    return {
+        "extra": f"workers: 2\nstore: {{url: '{redis_url}'}}\n",
         "listen": f"127.0.0.1:{free_port()}",
         "admin": f"127.0.0.1:{free_port()}",
     }
+
+
+async def test_every_worker_reloads_on_sighup(upstream, redis_server):
+    listen = two_workers(redis_server.url)
     with GatewayProcess(limited_yaml(upstream, burst=1, **listen)) as gw:
         await eventually(lambda: count(gw, "listening on") == 2, what="both workers to listen")
         await reload_with(gw, limited_yaml(upstream, burst=1, second_route=True, **listen), RELOADED)
@@ -239,11 +240,7 @@ async def test_every_worker_reloads_on_sighup(upstream, redis_server):
 async def test_with_workers_a_bad_file_is_refused_once_and_watch_reloads_every_worker(upstream, redis_server):
     # The supervisor checks each reload for its workers: a bad file is one log line and one
     # count, not one per worker, whether a SIGHUP or an edit (--watch) brought it.
-    listen = {
-        "extra": f"workers: 2\nstore: {{url: '{redis_server.url}'}}\n",
-        "listen": f"127.0.0.1:{free_port()}",
-        "admin": f"127.0.0.1:{free_port()}",
-    }
+    listen = two_workers(redis_server.url)
     failed = "config reload failed, the old config serves on"
     with GatewayProcess(limited_yaml(upstream, burst=1, **listen), args=("--watch",)) as gw:
         await eventually(lambda: count(gw, "listening on") == 2, what="both workers to listen")
@@ -282,11 +279,7 @@ async def test_sigterm_exits_within_the_grace_with_a_slow_request_in_flight(upst
     with GatewayProcess(limited_yaml(upstream, burst=5, extra=f"shutdown_grace: {grace:g}s\n")) as gw:
         async with aiohttp.ClientSession() as client:
             request = asyncio.create_task(status(client, gw.url + "/slow?seconds=30"))
-
-            async def in_flight() -> bool:
-                return await metric(client, gw.admin_url, "gateway_requests_in_flight") == 1
-
-            await eventually(in_flight, what="the request to be in flight")
+            await until_in_flight(client, gw.admin_url)
             signalled = time.monotonic()
             gw.signal(signal.SIGTERM)
 

@@ -14,11 +14,9 @@ import time
 
 import pytest
 
-from gateway.config.model import StoreConfig
-from gateway.limiter.memory_store import MemoryStore
 from gateway.limiter.store import LimitCheck, Store, StoreDecision
-from gateway.redis.store import RedisStore
 from gateway.testing import config_from_yaml
+from tests.helpers import open_store
 from tests.processes import RedisServer
 
 LIMITS_YAML = """
@@ -54,23 +52,14 @@ def redis_for_contract():
 
 @pytest.fixture(params=["memory", "redis"])
 async def store(request):
-    if request.param == "memory":
-        memory = MemoryStore()
-        yield memory
-        await memory.close()
-        return
-    server: RedisServer = request.getfixturevalue("redis_for_contract")
-    with server.client() as client:
-        client.flushall()
-    config = StoreConfig(
-        url=server.url, timeout=1.0, prefix="rl:", local_divisor=1, max_pending=4096, key_secret=None
-    )
-    shared = RedisStore(config)
-    await shared.start()
-    try:
-        yield shared
-    finally:
-        await shared.close()
+    url = None
+    if request.param == "redis":
+        server: RedisServer = request.getfixturevalue("redis_for_contract")
+        with server.client() as client:
+            client.flushall()
+        url = server.url
+    async with open_store(url, key_secret=None) as opened:
+        yield opened
 
 
 def approx(*values: float):

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.config import ConfigError
-from gateway.config.model import FailurePolicy, IdentitySource, Limit, StoreConfig
+from gateway.config.model import FailurePolicy, IdentitySource, Limit
 from gateway.config.units import Rate
 from gateway.limiter import bucket
 from gateway.limiter.limiter import Limiter
@@ -26,10 +26,9 @@ from gateway.limiter.outcomes import ALLOW, DENY, SKIPPED
 from gateway.limiter.store import LimitCheck
 from gateway.limiter.token_leases import Leases
 from gateway.redis.scripts import TOKEN_LEASE_SCRIPT_NAME, load_script
-from gateway.redis.store import RedisStore
 from gateway.testing import config_from_yaml
 from tests.chaos_proxy import ChaosProxy
-from tests.helpers import script_calls
+from tests.helpers import redis_store, script_calls
 from tests.lua_bridge import FakeRedis, LuaScript
 from tests.model_check import TOLERANCE
 from tests.processes import eventually
@@ -249,14 +248,8 @@ def test_a_bad_lease_is_one_line_naming_its_yaml_path(store, spec, message):
 
 @pytest.fixture
 async def redis_limiter(redis_server):
-    store = RedisStore(
-        StoreConfig(url=redis_server.url, timeout=1.0, prefix="rl:", local_divisor=1, max_pending=4096, key_secret="s" * 32)
-    )
-    await store.start()
-    try:
+    async with redis_store(redis_server.url) as store:
         yield Limiter(store, shared_store=True), redis_server.client()
-    finally:
-        await store.close()
 
 
 async def test_one_script_call_per_lease_and_the_store_denies_when_it_runs_dry(redis_limiter):
@@ -315,11 +308,7 @@ async def test_requests_waiting_on_a_refill_the_store_failed_take_their_policy_a
     """A hung Redis: twenty concurrent requests share one refill's timeout instead of
     queueing twenty timeouts one after another (2 s at a 0.1 s timeout; shared, 0.1 s, so
     the bound below, half the queued cost, leaves a loaded machine's scheduler 0.9 s)."""
-    store = RedisStore(
-        StoreConfig(url=redis_server.url, timeout=0.1, prefix="rl:", local_divisor=1, max_pending=4096, key_secret="s" * 32)
-    )
-    await store.start()
-    try:
+    async with redis_store(redis_server.url, timeout=0.1) as store:
         limiter = Limiter(store, shared_store=True)
         hot = limit(burst=100, per_second=1e-3, lease=5)
         check = [LimitCheck(limit=hot, identity="ip=1", cost=1)]
@@ -330,8 +319,6 @@ async def test_requests_waiting_on_a_refill_the_store_failed_take_their_policy_a
             elapsed = time.monotonic() - started
         finally:
             redis_server.resume()
-    finally:
-        await store.close()
     assert [d.statuses[0].outcome for d in decisions] == ["fail_open"] * 20
     assert elapsed < 1.0, f"{elapsed:.2f} s: the waiters each waited out a timeout"
 
@@ -345,11 +332,7 @@ async def test_a_denial_never_waits_for_the_tokens_its_lease_gives_back_to_the_s
     The refund still reaches Redis: its bucket and the lease add up to all but the one
     token spent."""
     with ChaosProxy(redis_server.port) as proxy:
-        store = RedisStore(
-            StoreConfig(url=proxy.url, timeout=1.0, prefix="rl:", local_divisor=1, max_pending=4096, key_secret="s" * 32)
-        )
-        await store.start()
-        try:
+        async with redis_store(proxy.url) as store:
             limiter = Limiter(store, shared_store=True)
             hot = limit(burst=1000, per_second=1e-3, lease=5)
             tight = limit("tight", burst=1, per_second=1e-3)
@@ -378,5 +361,3 @@ async def test_a_denial_never_waits_for_the_tokens_its_lease_gives_back_to_the_s
             await eventually(
                 lambda: abs(float(client.hget(key, "tokens")) + 5 - 999) < 0.05, what="the excess to be given back to Redis"
             )
-        finally:
-            await store.close()

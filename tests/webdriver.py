@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.processes import START_DEADLINE, eventually, free_port
+from tests.processes import START_DEADLINE, eventually, free_port, terminate
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -82,13 +82,8 @@ class Browser:
         finally:
             if self._http is not None:
                 await self._http.close()
-            if self._driver is not None and self._driver.poll() is None:
-                self._driver.terminate()
-                try:
-                    self._driver.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    self._driver.kill()
-                    self._driver.wait()
+            if self._driver is not None:
+                terminate(self._driver)
             shutil.rmtree(self._profile, ignore_errors=True)
 
     async def _driver_ready(self) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tests.bench.install import REPO_ROOT, BenchError
-from tests.processes import START_DEADLINE, GatewayProcess, RedisServer, free_port
+from tests.processes import START_DEADLINE, GatewayProcess, RedisServer, free_port, terminate
 
 STOP_DEADLINE = 10.0
 # The benchmark's clients reuse connections for minutes; nginx's default of 1000
@@ -88,13 +87,7 @@ class ListeningProcess:
     def stop(self) -> None:
         if self.process is None:
             return
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=STOP_DEADLINE)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process, grace=STOP_DEADLINE)
         self.process = None
 
 
