@@ -11,12 +11,13 @@ timeout.
 - 200 concurrent RPCs from 4 clients against a burst of 50: exactly 50 OK, none failed open.
 - An unknown domain or an unmatched descriptor is OK; an empty domain, an empty descriptor
   list or a frame that is no RateLimitRequest gets a gRPC status.
-- The config errors name the file and the YAML path.
+- The config errors name the file and the YAML path, and a reload reads the files again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import textwrap
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import aiohttp
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from tests.processes import GatewayProcess, RedisServer, free_port
+from tests.processes import GatewayProcess, RedisServer, eventually, free_port
 from tests.scrape import scrape, value
 
 grpc = pytest.importorskip("grpc")  # the test extra has it; skipped only where it is truly missing
@@ -337,3 +338,22 @@ def test_a_config_the_gateway_cannot_honour_names_the_file_and_yaml_path(tmp_pat
 def test_rls_listen_needs_rls_config():
     with pytest.raises(ConfigError, match="needs both rls_listen and rls_config"):
         parse_config("rls_listen: 127.0.0.1:0\nroutes: [{match: {path: /}, upstream: http://a}]\n", source="gw.yaml", environ={})
+
+
+async def test_a_reload_reads_the_files_again(tmp_path):
+    (tmp_path / "r.yaml").write_text("domain: r\ndescriptors: [{key: k, rate_limit: {unit: hour, requests_per_unit: 1}}]\n")
+    port = free_port()
+    config = f"rls_listen: 127.0.0.1:{port}\nrls_config: {tmp_path}\nroutes: [{{match: {{path: /}}, upstream: http://127.0.0.1:9}}]\n"
+    with GatewayProcess(config) as gw:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = rls_pb2_grpc.RateLimitServiceStub(channel)
+            first = await stub.ShouldRateLimit(request("r", descriptor(("k", "v"))))
+            assert first.statuses[0].current_limit.requests_per_unit == 1
+            (tmp_path / "r.yaml").write_text("domain: r\ndescriptors: [{key: k, rate_limit: {unit: hour, requests_per_unit: 7}}]\n")
+            gw.signal(signal.SIGHUP)
+
+            async def reloaded() -> bool:
+                response = await stub.ShouldRateLimit(request("r", descriptor(("k", "v"))))
+                return response.statuses[0].current_limit.requests_per_unit == 7
+
+            await eventually(reloaded, what="the reloaded rls_config")
