@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 from operator import attrgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -24,6 +24,9 @@ from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics, breaker_gauge_se
 from gateway.proxy.handler import ProxyHandler
 from gateway.proxy.protocol import PublicServer
 from gateway.stores import make_store
+
+if TYPE_CHECKING:
+    from gateway.envoy.service import RateLimitService
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ RESTART_SETTINGS: tuple[tuple[str, Callable[[GatewayConfig], object]], ...] = (
     ("upstream_connections", attrgetter("upstream_connections")),
     ("access_log", attrgetter("access_log")),
     ("local_store_memory", attrgetter("local_store_memory")),
+    ("rls_listen", lambda config: config.rls.listen if config.rls else None),
 )
 
 
@@ -69,6 +73,7 @@ class Gateway:
             resets=resets,
         )
         self.handler = ProxyHandler(config, self.limiter, self.metrics)
+        self.rls = _rls_service(config, self.limiter, self.metrics)
         # The public listener's, built here so that a reload can load renewed files into it.
         self.tls_context = tls.server_context(config.listen_tls) if config.listen_tls else None
         self.draining = False  # set when the drain starts: /readyz answers 503 from then on
@@ -86,6 +91,8 @@ class Gateway:
             return False
         kept = [key for key, setting in RESTART_SETTINGS if setting(config) != setting(self.config)]
         self.handler.reload(config)
+        if self.rls is not None and config.rls is not None:
+            self.rls.reload(config)
         self._admin_api.update(config)
         self._reload_tls(config)
         self.config = config
@@ -150,3 +157,13 @@ class Gateway:
         await self.handler.close()
         await self.limiter.settle()  # the last requests' refunds and releases, before the store goes
         await self.store.close()
+
+
+def _rls_service(config: GatewayConfig, limiter: Limiter, metrics: Metrics) -> RateLimitService | None:
+    """Envoy's rate-limit service on the same limiter, when the config has `rls_listen`;
+    imported only then, since grpcio is an extra."""
+    if config.rls is None:
+        return None
+    from gateway.envoy.service import RateLimitService
+
+    return RateLimitService(config, limiter, metrics.rls_descriptors)

@@ -38,6 +38,7 @@ class Listeners:
     gateway: Gateway
     public: web.ServerRunner
     admin: web.AppRunner
+    rls_port: int | None = None  # the port Envoy's rate-limit service listens on, when configured
 
     async def drain(self, grace: float) -> None:
         """Stop accepting on the public listener, then give the requests in flight up to
@@ -84,7 +85,19 @@ async def open_listeners(
                 await site.start()
             except OSError as exc:
                 raise StartupError(f"cannot listen on {address}: {os_reason(exc)}") from None
-        yield Listeners(gateway, public, admin)
+        async with contextlib.AsyncExitStack() as rls:
+            rls_port = None
+            if gateway.rls is not None and config.rls is not None:
+                from gateway.envoy.service import serving  # grpcio is an extra: only when configured
+
+                address = config.rls.listen
+                try:
+                    rls_port = await rls.enter_async_context(
+                        serving(gateway.rls, address.host, address.port, reuse_port=reuse_port)
+                    )
+                except OSError as exc:
+                    raise StartupError(f"cannot listen on {address} (rls_listen): {os_reason(exc)}") from None
+            yield Listeners(gateway, public, admin, rls_port)
     finally:
         # What is still in flight now is cut: aiohttp waits CUT_SECONDS twice for it.
         await public.cleanup()

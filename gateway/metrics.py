@@ -256,6 +256,13 @@ class Metrics:
             "gateway_limiter_decisions", "Limiter decisions, by route, limit and decision.",
             ["route", "limit", "decision"], **files,
         ))
+        # Envoy's rate-limit service: its domains are the config's, so the labels stay bounded.
+        self.rls_descriptors = add(counter(
+            "gateway_rls_descriptors",
+            "Descriptors Envoy's rate-limit service answered, by domain (`unknown` for one the config lacks) and decision "
+            "(the limiter's, or `unmatched` for a descriptor without a rate limit).",
+            ["domain", "decision"], **files,
+        ))
         self.limiter_latency = add(histogram(
             "gateway_limiter_latency_seconds", "Time to decide a request's rate and concurrency limits, store calls included.",
             buckets=LIMITER_BUCKETS, **files,

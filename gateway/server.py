@@ -99,6 +99,8 @@ async def serve(
                 _loop_name(loop),
                 parser,
             )
+            if listeners.rls_port is not None and config.rls is not None:
+                log.info("Envoy rate-limit service (gRPC) listening on %s:%d", config.rls.listen.host, listeners.rls_port)
             await stop.wait()
             for task in (watcher, orphaned):
                 if task is not None:

@@ -51,6 +51,10 @@ SECTIONS = {
     ("_target", "path"): ("`routes[].upstream` as a pool", "targets[]."),
     ("_health", "path"): ("`routes[].upstream` as a pool", "health."),
     ("_passive", "path"): ("`routes[].upstream` as a pool", "passive."),
+    ("_file", "''"): ("`rls_config` files (envoyproxy/ratelimit's format)", ""),
+    ("_level", "where"): ("`rls_config` files (envoyproxy/ratelimit's format)", "descriptors[]."),
+    ("_rate_limit", "path"): ("`rls_config` files (envoyproxy/ratelimit's format)", "descriptors[].rate_limit."),
+    ("_rate_limit", "f'{path}.replaces[{i}]'"): ("`rls_config` files (envoyproxy/ratelimit's format)", "descriptors[].rate_limit.replaces[]."),
 }
 
 # Keys the loader names only to refuse them with a message of their own.

@@ -18,7 +18,7 @@ from multidict import CIMultiDict
 from gateway.config.model import ConcurrencyLimit, FailurePolicy, HeaderStyle, Limit, ResponseStyle
 from gateway.limiter.decision import LimitStatus, local_share
 from gateway.proxy.problem import ProblemTemplate, problem_body
-from gateway.proxy.ratelimit_headers import RateLimitFields, most_restrictive, retry_after_seconds
+from gateway.ratelimit_headers import RateLimitFields, most_restrictive, retry_after_seconds
 from gateway.testing import config_from_yaml, running_gateway
 
 LIMITS = """
@@ -176,7 +176,7 @@ async def test_several_limits_are_all_or_nothing(gw, client):
     assert (await combo("k4", "192.0.2.2"))[0] == 200
 
 
-# --- pure: gateway.proxy.ratelimit_headers -----------------------------------------------
+# --- pure: gateway.ratelimit_headers -----------------------------------------------
 
 
 def limits_by_name() -> dict[str, Limit]:

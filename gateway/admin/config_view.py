@@ -19,6 +19,8 @@ from gateway.config.model import (
     HeaderRules,
     IdentitySource,
     JwtKey,
+    RlsConfig,
+    RlsDescriptor,
     Route,
     StoreConfig,
     Target,
@@ -40,6 +42,7 @@ _SECRET_FIELDS = {
 
 _URL_FIELDS = {(StoreConfig, "url"), (Route, "upstream"), (Target, "url")}
 _HEADER_VALUE_FIELDS = {(HeaderRules, "set"), (HeaderRules, "add")}
+_RLS_TREES = {(RlsConfig, "domains"), (RlsDescriptor, "children")}
 
 
 def redacted_config(config: GatewayConfig) -> Any:
@@ -76,6 +79,8 @@ def _plain(value: Any, owner: type | None = None, field: str = "") -> Any:
         return sorted(_plain(item) for item in value)
     if owner is Tiers and field == "limits":
         return {tier: _plain(limit) for tier, limit in value.items()}
+    if (owner, field) in _RLS_TREES:  # Envoy's descriptor trees: domains and entry selectors from the files
+        return {name: _plain(node) for name, node in value.items()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         kind = type(value)
         return {f.name: _plain(getattr(value, f.name), kind, f.name) for f in dataclasses.fields(value)}

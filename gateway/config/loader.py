@@ -10,6 +10,7 @@ keys are rejected, and each error names the file and the YAML path (such as
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -29,6 +30,7 @@ from gateway.config.model import (
     StoreConfig,
 )
 from gateway.config.reader import ConfigError, _interpolate, _Reader, _type_name
+from gateway.config.rls import rls_config
 from gateway.config.routes import _route
 from gateway.config.settings import (
     _access_log,
@@ -122,7 +124,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
             "admin_raw_identities", "admin_hosts",
             "client_header_timeout", "client_body_timeout", "keepalive_timeout", "keepalive_requests",
             "max_header_size", "upstream_connections", "access_log", "response", "max_delayed", "client_ip",
-            "local_store_memory",
+            "local_store_memory", "rls_listen", "rls_config",
         ),
     )
     listen, listen_tls = _listen(top.get("listen", DEFAULT_LISTEN), r)
@@ -177,6 +179,16 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         r.fail(f"limits.{name}.key[{i}]", "a jwt:CLAIM source needs a top-level `jwt` block with the keys that verify tokens")
     if jwt_config is not None and not jwt_sources:
         r.fail("jwt", "no limit's `key` has a jwt:CLAIM source, so these keys would verify nothing")
+    rls = None
+    if ("rls_listen" in top) != ("rls_config" in top):
+        r.fail("rls_listen" if "rls_config" in top else "rls_config", "Envoy's rate-limit service needs both rls_listen and rls_config")
+    if "rls_listen" in top:
+        if importlib.util.find_spec("grpc") is None:
+            r.fail("rls_listen", "needs grpcio and protobuf: pip install 'ratelimit-gateway[envoy]'")
+        rls_listen = r.parsed(parse_address, top["rls_listen"], "rls_listen")
+        if workers > 1 and rls_listen.port == 0:
+            r.fail("rls_listen", f"port 0 needs workers: 1; with workers: {workers} each worker would get a different port")
+        rls = rls_config(rls_listen, top["rls_config"], r)
     routes_doc = r.sequence(top["routes"], "routes")
     if not routes_doc:
         r.fail("routes", "expected at least one route")
@@ -225,6 +237,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         local_store_memory=r.parsed(
             parse_size, top.get("local_store_memory", DEFAULT_LOCAL_STORE_MEMORY), "local_store_memory"
         ),
+        rls=rls,
     )
 
 

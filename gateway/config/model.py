@@ -445,6 +445,7 @@ class GatewayConfig:
     # Bytes each in-process store may hold per worker: the store without `store:`, and the
     # stand-ins of `on_store_error: local`. Past it, the least recently checked bucket goes.
     local_store_memory: int = 32 * 1024 * 1024
+    rls: RlsConfig | None = None  # Envoy's rate-limit service, when `rls_listen` is set
 
     @property
     def local_divisor(self) -> int:
@@ -452,3 +453,35 @@ class GatewayConfig:
         down (`on_store_error: local`): `store.local_divisor` counts gateway instances, and
         each of an instance's `workers` keeps a stand-in bucket of its own."""
         return (self.store.local_divisor if self.store else 1) * self.workers
+
+
+@dataclass(frozen=True, kw_only=True)
+class RlsRateLimit:
+    """One `rate_limit` of an envoyproxy/ratelimit config file, as the gateway counts it."""
+
+    limit: Limit | None  # None: `unlimited: true`, never counted
+    unit: str  # as Envoy's RateLimit.Unit names it, lower case: "second" ... "year"
+    requests_per_unit: int
+    name: str = ""  # `rate_limit.name`, what another rate_limit's `replaces` refers to
+    replaces: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RlsDescriptor:
+    """A node of a domain's descriptor tree: its rate limit, if it has one, and the nodes
+    below it, by `key_value` for those with a value and by `key` for those without (any
+    value matches, each value its own bucket). `prefixes`: values ending in `*`."""
+
+    rate_limit: RlsRateLimit | None
+    children: Mapping[str, RlsDescriptor] = field(default_factory=dict, compare=False)
+    prefixes: tuple[tuple[str, str, RlsDescriptor], ...] = field(default=(), compare=False)  # (key, prefix, node)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RlsConfig:
+    """Envoy's rate-limit service (gateway.envoy): where it listens, and the descriptor trees
+    of each domain, read from envoyproxy/ratelimit's YAML files at `config_path`."""
+
+    listen: Address
+    config_path: str
+    domains: Mapping[str, RlsDescriptor] = field(compare=False)  # domain -> its root (no rate limit)

@@ -14,8 +14,8 @@ from gateway.limiter.concurrency import Admission
 from gateway.limiter.decision import Decision
 from gateway.limiter.outcomes import ALLOW, FAIL_CLOSED, FAIL_OPEN, NO_ROOM, SKIPPED
 from gateway.proxy.problem import RETRY_AFTER_ONE, Answer, problem, problem_response
-from gateway.proxy.ratelimit_headers import retry_after_seconds
 from gateway.proxy.route_plan import RoutePlan
+from gateway.ratelimit_headers import retry_after_seconds
 
 
 def not_a_handshake() -> web.Response:

@@ -51,9 +51,9 @@ from gateway.proxy.problem import (
     ProblemTemplate,
     problem_body,
 )
-from gateway.proxy.ratelimit_headers import RateLimitFields, retry_after_seconds
 from gateway.proxy.routing import Router
 from gateway.proxy.upstream_pool import Balancer, Outcome, TargetState
+from gateway.ratelimit_headers import RateLimitFields, retry_after_seconds
 
 _NO_RULES = HeaderRules()  # a route without request_headers or response_headers
 

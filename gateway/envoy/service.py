@@ -1,0 +1,234 @@
+"""`ShouldRateLimit` of Envoy's rate-limit service (envoy.service.ratelimit.v3), answered by
+the gateway's limiter, and the gRPC server that serves it on `rls_listen`.
+
+Each descriptor of a request finds its rate limit (gateway.envoy.descriptors); the limits
+found, after `replaces`, go to the limiter in one check, so a request is all or nothing:
+when any descriptor is over its limit, none is charged. Failure policies, the denial cache
+and the circuit breaker apply as they do to the proxy's limits. The cost of a descriptor is
+its own `hits_addend` when Envoy sets one, else the request's (0 there means 1, as Envoy
+and envoyproxy/ratelimit read it). A descriptor with no rate limit is answered OK and counts
+nothing, as is every descriptor of a domain the config does not have; an empty domain or
+descriptor list, or a cost or limit override no bucket can take, is INVALID_ARGUMENT. A
+fail-closed limit the store could not check answers OVER_LIMIT: Envoy would otherwise let
+an error through unless its own `failure_mode_deny` is set.
+
+Trusts Envoy no further than any client: it reaches the limiter only through the config's
+rate limits, its descriptor values are identities (hashed by the store like any other), and
+a frame that is no RateLimitRequest never reaches this code (grpcio answers it with a
+status). Nothing here imports the proxy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from gateway.config.model import FailurePolicy, GatewayConfig, Limit, RlsConfig, RlsRateLimit
+from gateway.config.reader import MAX_COUNT
+from gateway.config.rls import UNIT_SECONDS, override_limit
+from gateway.envoy.descriptors import identity_of, rate_limit_of, without_replaced
+from gateway.envoy.generated import rls_pb2
+from gateway.limiter.decision import Decision, LimitStatus, local_share
+from gateway.limiter.limiter import Limiter
+from gateway.limiter.outcomes import ALLOW, DENY, FAIL_CLOSED, FAIL_LOCAL, FAIL_OPEN, NO_ROOM, SHADOW_LIMITED, SKIPPED
+from gateway.limiter.store import LimitCheck
+from gateway.ratelimit_headers import RateLimitFields
+
+log = logging.getLogger(__name__)
+
+SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
+Response = rls_pb2.RateLimitResponse
+OK, OVER_LIMIT = Response.Code.OK, Response.Code.OVER_LIMIT
+UNITS = {name: Response.RateLimit.Unit.Value(name.upper()) for name in UNIT_SECONDS}
+OVERRIDE_UNITS = {Response.RateLimit.Unit.Value(name.upper()): name for name in UNIT_SECONDS}
+# What limit_remaining (a uint32) can carry.
+MAX_REMAINING = 2**32 - 1
+# Overrides seen, each its own Limit: bounded, since Envoy's route config (not a client)
+# chooses them, but a bound keeps a misconfigured Envoy from growing this without end.
+MAX_OVERRIDES = 1024
+# Outcomes that say the limit refused: a denial, or a fail-closed limit the store could not check.
+REFUSED = frozenset({DENY, FAIL_CLOSED, NO_ROOM})
+# The metric's labels for what the limiter did not decide.
+UNKNOWN_DOMAIN, UNMATCHED = "unknown", "unmatched"
+EXPORTED_DECISIONS = (ALLOW, DENY, SKIPPED, SHADOW_LIMITED, FAIL_OPEN, FAIL_CLOSED, FAIL_LOCAL, NO_ROOM, UNMATCHED)
+# On a stop, RPCs in flight get this long to finish; the limiter answers within a store timeout.
+STOP_GRACE = 1.0
+
+
+class InvalidRequest(Exception):
+    """A request the service cannot answer; str() is the status detail."""
+
+
+class RateLimitService:
+    """The limiter behind `ShouldRateLimit`, for one config (swapped on reload)."""
+
+    def __init__(self, config: GatewayConfig, limiter: Limiter, counted: Any) -> None:
+        """`counted`: gateway_rls_descriptors_total, labelled by domain and decision."""
+        self.limiter = limiter
+        self._counted = counted
+        self.reload(config)
+        self._overrides: dict[tuple[str, int, str], Limit] = {}
+
+    def reload(self, config: GatewayConfig) -> None:
+        assert config.rls is not None
+        self.rls: RlsConfig = config.rls
+        self.local_divisor = config.local_divisor
+        for domain in (*self.rls.domains, UNKNOWN_DOMAIN):  # exported at 0 from the start
+            for decision in EXPORTED_DECISIONS:
+                self._counted.labels(domain=domain, decision=decision)
+
+    async def should_rate_limit(self, request: Any) -> Any:
+        """The RateLimitResponse for a RateLimitRequest. Raises InvalidRequest."""
+        if not request.domain:
+            raise InvalidRequest("rate limit domain must not be empty")
+        if not request.descriptors:
+            raise InvalidRequest("rate limit descriptor list must not be empty")
+        default_cost = request.hits_addend or 1
+        found: list[RlsRateLimit | None] = []
+        limits: list[Limit | None] = []
+        costs: list[int] = []
+        for descriptor in request.descriptors:
+            entries = [(entry.key, entry.value) for entry in descriptor.entries]
+            cost = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else default_cost
+            if cost > MAX_COUNT:
+                raise InvalidRequest(f"hits_addend {cost} is more than any bucket holds ({MAX_COUNT})")
+            costs.append(cost)
+            rate_limit: RlsRateLimit | None
+            if descriptor.HasField("limit"):
+                rate_limit = self._override(request.domain, descriptor.limit)
+            else:
+                rate_limit = rate_limit_of(self.rls.domains, request.domain, entries)
+            found.append(rate_limit)
+        found = without_replaced(found)
+        checks: list[LimitCheck] = []
+        for rate_limit, descriptor, cost in zip(found, request.descriptors, costs):
+            limit = rate_limit.limit if rate_limit is not None else None
+            limits.append(limit)
+            if limit is not None:
+                entries = [(entry.key, entry.value) for entry in descriptor.entries]
+                checks.append(LimitCheck(limit=limit, identity=identity_of(entries), cost=cost))
+        if any(c.limit.shadow for c in checks):
+            decision = await self.limiter.check_with_shadow(checks)
+        else:
+            decision = await self.limiter.check(checks)
+        domain = request.domain if request.domain in self.rls.domains else UNKNOWN_DOMAIN
+        outcomes = iter(decision.statuses)
+        for limit in limits:
+            self._counted.labels(domain=domain, decision=UNMATCHED if limit is None else next(outcomes).outcome).inc()
+        return self._response(found, limits, decision)
+
+    def _override(self, domain: str, override: Any) -> RlsRateLimit:
+        unit = OVERRIDE_UNITS.get(override.unit)
+        if unit is None or not override.requests_per_unit:
+            raise InvalidRequest("a limit override needs requests_per_unit of at least 1 and a unit from SECOND to YEAR")
+        key = (domain, override.requests_per_unit, unit)
+        limit = self._overrides.get(key)
+        if limit is None:
+            if len(self._overrides) >= MAX_OVERRIDES:
+                self._overrides.clear()
+            limit = self._overrides[key] = override_limit(domain, override.requests_per_unit, unit)
+        return RlsRateLimit(limit=limit, unit=unit, requests_per_unit=override.requests_per_unit)
+
+    def _response(self, found: Sequence[RlsRateLimit | None], limits: Sequence[Limit | None], decision: Decision) -> Any:
+        statuses = iter(decision.statuses)
+        answered: list[LimitStatus] = []
+        response = Response()
+        for rate_limit, limit in zip(found, limits):
+            status = response.statuses.add()
+            if rate_limit is None or limit is None:  # unmatched, replaced or unlimited
+                status.code = OK
+                if rate_limit is not None:
+                    status.current_limit.name = rate_limit.name
+                continue
+            limit_status = next(statuses)
+            answered.append(limit_status)
+            status.code = OVER_LIMIT if limit_status.outcome in REFUSED else OK
+            status.current_limit.requests_per_unit = rate_limit.requests_per_unit
+            status.current_limit.unit = UNITS[rate_limit.unit]
+            status.current_limit.name = rate_limit.name
+            remaining, reset = _remaining_and_reset(self._applied(limit_status), limit_status)
+            status.limit_remaining = remaining
+            status.duration_until_reset.seconds = reset
+        refused = any(s.code == OVER_LIMIT for s in response.statuses)
+        response.overall_code = OVER_LIMIT if refused else OK
+        if answered:
+            pairs = [(s.limit, self._applied(s)) for s in answered]
+            for name, value in RateLimitFields.of(pairs, self.local_divisor).headers(answered).items():
+                response.response_headers_to_add.add(key=name, value=value)
+        return response
+
+    def _applied(self, status: LimitStatus) -> Limit:
+        """What decided `status`: the limit, or its share under `on_store_error: local`."""
+        limit = status.limit
+        if limit.on_store_error is FailurePolicy.LOCAL:
+            return local_share(limit, self.local_divisor, status.cost)
+        return limit
+
+
+def _remaining_and_reset(limit: Limit, status: LimitStatus) -> tuple[int, int]:
+    """limit_remaining (whole tokens left, 0 when unknown) and duration_until_reset in whole
+    seconds: until the bucket is full again, or a quota's window ends; as the proxy's
+    X-RateLimit-Reset counts it."""
+    held = status.remaining or 0.0
+    remaining = min(MAX_REMAINING, math.floor(max(0.0, held)))
+    if status.reset is not None:
+        return remaining, math.ceil(status.reset)
+    if status.remaining is None or held >= limit.burst:
+        return remaining, 0
+    return remaining, math.ceil((limit.burst - held) / limit.rate.per_second)
+
+
+def _request_of(data: bytes) -> Any:
+    """The RateLimitRequest in a frame, or None: grpcio would log a traceback for a frame
+    protobuf cannot parse, and answer it with a status that says nothing of why."""
+    try:
+        return rls_pb2.RateLimitRequest.FromString(data)
+    except DecodeError:
+        return None
+
+
+class _Servicer:
+    """grpcio's side: a request the service refuses becomes its gRPC status."""
+
+    def __init__(self, service: RateLimitService) -> None:
+        self._service = service
+
+    async def should_rate_limit(self, request: Any, context: Any) -> Any:
+        try:
+            if request is None:
+                raise InvalidRequest("not a RateLimitRequest")
+            return await self._service.should_rate_limit(request)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+@contextlib.asynccontextmanager
+async def serving(service: RateLimitService, host: str, port: int, *, reuse_port: bool = False) -> AsyncIterator[int]:
+    """Serve `service` on host:port until the block ends; yields the port bound. Raises
+    OSError when the address cannot be bound. `reuse_port`: every worker binds the same port
+    (grpcio's own default, which would otherwise let a second gateway share ours silently)."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if reuse_port else 0)])
+    method = grpc.unary_unary_rpc_method_handler(
+        _Servicer(service).should_rate_limit,
+        request_deserializer=_request_of,
+        response_serializer=Response.SerializeToString,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"ShouldRateLimit": method}),))
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpcio's way of saying the port cannot be bound
+        raise OSError(f"{exc}") from None
+    if not bound and port:
+        raise OSError(f"cannot bind {address}")
+    await server.start()
+    try:
+        yield bound
+    finally:
+        await server.stop(STOP_GRACE)
