@@ -226,6 +226,8 @@ def _supervise(config: GatewayConfig, access_log: str | None, watch: bool) -> in
     passed on as SIGHUP, and each worker reloads it."""
     check_bindable(config.listen)
     check_bindable(config.admin_listen)
+    if config.decision_listen is not None:
+        check_bindable(config.decision_listen)
     context = multiprocessing.get_context("fork")
     resets = WorkerResets()  # mapped before the fork, so every worker shares it
     processes = [
