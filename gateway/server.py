@@ -88,13 +88,15 @@ async def serve(
             parser = request_parser()
             if parser != "llhttp":
                 log.warning("aiohttp parses requests in pure Python, not llhttp: install a compiled aiohttp wheel")
+            decisions = f", decisions http://{_bound(listeners.decision)}" if listeners.decision is not None else ""
             log.info(
-                "gateway %s (pid %d) listening on %s://%s (admin http://%s), store: %s, event loop: %s, parser: %s",
+                "gateway %s (pid %d) listening on %s://%s (admin http://%s)%s, store: %s, event loop: %s, parser: %s",
                 __version__,
                 os.getpid(),
                 "https" if gateway.tls_context else "http",
                 _bound(listeners.public),
                 _bound(listeners.admin),
+                decisions,
                 gateway.store.description,
                 _loop_name(loop),
                 parser,

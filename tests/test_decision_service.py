@@ -26,8 +26,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.processes import GatewayProcess, RedisServer, free_port, wait_until
-from tests.scrape import settled_decisions
+from tests.processes import GatewayProcess, RedisServer, free_port, run_cli, wait_until
+from tests.scrape import scrape, settled_decisions, value
 from tests.upstream import RecordingUpstream, serving
 
 pytestmark = pytest.mark.timing  # measures exactness under load: one such module runs at a time
@@ -42,7 +42,7 @@ KEY = "wrk-key"
 CONFIG = """
 decision_listen: 127.0.0.1:{decision_port}
 trusted_proxies: [127.0.0.1/32]
-store: {{url: "{url}"}}
+store: {{url: "{url}"{timeout}}}
 limits:
   per_key: {{rate: 1/hour, burst: {burst}, key: header:X-API-Key, on_store_error: {policy}}}
 routes:
@@ -52,9 +52,12 @@ routes:
 """
 
 
-def gateway_config(url: str, *, burst: int = BURST, policy: str = "open") -> tuple[str, int]:
+def gateway_config(url: str, *, burst: int = BURST, policy: str = "open", timeout: str | None = None) -> tuple[str, int]:
+    """The gateway's config, and its decision listener's port. `timeout`: the store's, when
+    not its default (10 ms)."""
     port = free_port()
-    return CONFIG.format(decision_port=port, url=url, burst=burst, policy=policy), port
+    store_timeout = f", timeout: {timeout}" if timeout else ""
+    return CONFIG.format(decision_port=port, url=url, burst=burst, policy=policy, timeout=store_timeout), port
 
 
 def nginx_snippet() -> str:
@@ -174,7 +177,9 @@ async def test_nginx_fleet_admits_exactly_the_burst(tmp_path: Path) -> None:
 
 @contextlib.asynccontextmanager
 async def decision_gateway(url: str, *, burst: int = 2, policy: str = "open") -> AsyncIterator[str]:
-    text, port = gateway_config(url, burst=burst, policy=policy)
+    # The contracts are not about load: a store timeout that a busy machine cannot miss
+    # keeps a check from failing open, which would allow without the fields.
+    text, port = gateway_config(url, burst=burst, policy=policy, timeout="1s")
     with GatewayProcess(text):
         yield f"http://127.0.0.1:{port}"
 
@@ -273,3 +278,81 @@ async def test_malformed_original_headers_get_400(path: str, headers: dict[str, 
     assert status == 400  # from nginx too: a snippet that sets no X-Original-URI is nginx's 500
     assert content_type is not None and content_type.startswith("application/problem+json")
     assert allowed == [200, 200, 429]
+
+
+CONCURRENCY_CONFIG = """
+listen: 127.0.0.1:{listen_port}
+admin_listen: 127.0.0.1:{admin_port}
+decision_listen: 127.0.0.1:{decision_port}
+trusted_proxies: [127.0.0.1/32]
+workers: {workers}
+store: {{url: "{url}", timeout: 1s}}
+limits:
+  per_key: {{rate: 1/hour, burst: 2, key: header:X-API-Key, on_store_error: closed}}
+  conns: {{concurrency: 1, key: header:X-API-Key}}
+routes:
+  - match: {{path: /api}}
+    upstream: http://127.0.0.1:9
+    limits: [per_key, conns]
+"""
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_concurrency_limits_are_skipped_and_counted(workers: int) -> None:
+    """A lease would outlive nothing the decision listener sees: the route's concurrency
+    limit is not taken, its rate limit is, and each skip is counted. With two workers the
+    decision listener is shared like the others (SO_REUSEPORT) and the counts add up."""
+    port = free_port()
+    with RedisServer() as redis_server:
+        text = CONCURRENCY_CONFIG.format(
+            listen_port=free_port(), admin_port=free_port(), decision_port=port, url=redis_server.url, workers=workers
+        )
+        with GatewayProcess(text) as gateway:
+            url = f"http://127.0.0.1:{port}"
+            async with aiohttp.ClientSession() as client:
+                statuses = [(await ask(client, url, "envoy", "k1")).status for _ in range(3)]
+                _, samples = await scrape(client, gateway.admin_url)
+    assert statuses == [200, 200, 429]  # a held lease of 1 would have refused the second
+    assert value(samples, "gateway_decision_concurrency_skipped_total", route="/api", limit="conns") == 2
+    assert value(samples, "gateway_decision_requests_total", mode="envoy", status="200") == 2
+    assert value(samples, "gateway_decision_requests_total", mode="envoy", status="429") == 1
+    assert value(samples, "gateway_limiter_decisions_total", route="/api", limit="per_key", decision="allow") == 2
+
+
+async def test_nginx_store_failure_is_503_through_the_snippet() -> None:
+    """/decide/nginx answers a fail-closed store failure with 401, which the snippet maps
+    back to 503 with Retry-After; a denial's 403 is the 429 of the load test above."""
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    text, port = gateway_config(dead, policy="closed")
+    upstream = RecordingUpstream()
+    async with serving(upstream.handle) as upstream_url:
+        upstream_port = int(upstream_url.rsplit(":", 1)[1])
+        with GatewayProcess(text), running_nginx(decision_port=port, upstream_port=upstream_port) as proxy:
+            async with aiohttp.ClientSession() as client:
+                async with client.get(proxy + "/api/items", headers={"X-API-Key": "k1"}) as response:
+                    status, headers = response.status, response.headers
+                async with client.get(f"http://127.0.0.1:{port}/decide/nginx", headers={
+                    "X-Original-Method": "GET", "X-Original-URI": "/api/items", "X-API-Key": "k1",
+                }) as direct:
+                    direct_status, gateway_status = direct.status, direct.headers.get("X-Gateway-Status")
+    assert status == 503
+    assert headers["Retry-After"] == "1"
+    assert (direct_status, gateway_status) == (401, "503")
+    assert upstream.requests == 0
+
+
+def test_a_decision_port_taken_is_one_startup_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = Path(tempfile.mkdtemp(prefix="gateway-test-")) / "gateway.yaml"
+        config.write_text(
+            "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\n"
+            f"decision_listen: 127.0.0.1:{port}\nroutes: [{{match: {{path: /}}, upstream: 'http://127.0.0.1:9'}}]\n",
+            encoding="utf-8",
+        )
+        result = run_cli("run", "-c", str(config))
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert errors == [f"gateway: cannot listen on 127.0.0.1:{port}: Address already in use"], result.stderr
