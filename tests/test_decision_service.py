@@ -356,3 +356,42 @@ def test_a_decision_port_taken_is_one_startup_line() -> None:
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert errors == [f"gateway: cannot listen on 127.0.0.1:{port}: Address already in use"], result.stderr
+
+
+MATCHING_CONFIG = """
+decision_listen: 127.0.0.1:{decision_port}
+trusted_proxies: [127.0.0.1/32]
+limits:
+  writes: {{rate: 1/hour, burst: 1, key: ip}}
+  reads: {{rate: 1/hour, burst: 3, key: ip}}
+routes:
+  - match: {{path: /api, methods: [POST], host: shop.example, query: {{v: "2"}}}}
+    upstream: http://127.0.0.1:9
+    limits: [writes]
+  - match: {{path: /api}}
+    upstream: http://127.0.0.1:9
+    limits: [reads]
+"""
+
+
+async def test_routes_and_the_client_address_are_the_original_requests() -> None:
+    """The original method, host and query pick the route, and the client is read from
+    the X-Forwarded-For the trusted proxy sends, as on the public listener (here with the
+    in-process store: no `store:`)."""
+    port = free_port()
+    with GatewayProcess(MATCHING_CONFIG.format(decision_port=port)):
+        url = f"http://127.0.0.1:{port}"
+
+        async def traefik(method: str, uri: str, client_ip: str) -> tuple[int, str]:
+            headers = {**traefik_headers("unused", uri, method), "X-Forwarded-For": client_ip}
+            async with aiohttp.ClientSession() as client, client.get(url + TRAEFIK, headers=headers) as answer:
+                return answer.status, answer.headers.get("RateLimit-Policy", "")
+
+        writes = [await traefik("POST", "/api/items?v=2", "203.0.113.7") for _ in range(2)]
+        other_client = await traefik("POST", "/api/items?v=2", "203.0.113.8")
+        reads = [await traefik("GET", "/api/items?v=2", "203.0.113.7") for _ in range(4)]
+    assert [s for s, _ in writes] == [200, 429]
+    assert other_client[0] == 200  # an address of its own, its own bucket
+    assert "writes" in writes[0][1]
+    assert [s for s, _ in reads] == [200, 200, 200, 429]  # another route, another limit
+    assert "reads" in reads[0][1]
