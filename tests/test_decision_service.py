@@ -395,3 +395,15 @@ async def test_routes_and_the_client_address_are_the_original_requests() -> None
     assert "writes" in writes[0][1]
     assert [s for s, _ in reads] == [200, 200, 200, 429]  # another route, another limit
     assert "reads" in reads[0][1]
+
+
+async def test_nginx_hears_a_refused_original_request_as_a_denial() -> None:
+    """A path the path rule refuses is the client's doing: nginx is told 403 (its 500
+    would page someone), the gateway's 400 in X-Gateway-Status. A question that is not
+    one (no X-Original-URI) stays 400: that is the snippet's fault."""
+    with RedisServer() as redis_server:
+        async with decision_gateway(redis_server.url) as url, aiohttp.ClientSession() as client:
+            base = {"X-Original-Method": "GET", "Host": "shop.example", "X-API-Key": "k1"}
+            async with client.get(url + "/decide/nginx", headers={**base, "X-Original-URI": "/api/%00"}) as refused:
+                status, gateway_status = refused.status, refused.headers.get("X-Gateway-Status")
+    assert (status, gateway_status) == (403, "400")

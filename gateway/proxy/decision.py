@@ -37,6 +37,7 @@ from gateway.proxy.handler import ProxyHandler
 from gateway.proxy.paths import PathRejected, normalize_path
 from gateway.proxy.problem import problem
 from gateway.proxy.protocol import checked_host
+from gateway.proxy.route_plan import Plans
 from gateway.proxy.routing import ConditionRejected
 
 NGINX, TRAEFIK, ENVOY = "nginx", "traefik", "envoy"
@@ -101,11 +102,11 @@ def decision_mode(raw_path: str) -> str | None:
 
 
 def for_nginx(refusal: web.StreamResponse) -> web.StreamResponse:
-    """A refusal of the limiter's (over a limit, an identity refused, the store failed) as
-    nginx takes it from an auth_request: 403, or 401 for a store failure, the gateway's own
-    status in X-Gateway-Status. The 400s for a question that is not one (an untrusted peer,
-    headers the snippet should have set) stay 400, which nginx turns into a 500: they are
-    the proxy's misconfiguration, not the client's doing."""
+    """A refusal of the original request (over a limit, an identity or path refused, the
+    store failed) as nginx takes it from an auth_request: 403, or 401 for a store failure,
+    the gateway's own status in X-Gateway-Status. The 400s for a question that is not one
+    (an untrusted peer, headers the snippet should have set) stay 400, which nginx turns
+    into a 500: they are the proxy's misconfiguration, not the client's doing."""
     refusal.headers[GATEWAY_STATUS] = str(refusal.status)
     refusal.set_status(NGINX_UNDECIDED if refusal.status == 503 else NGINX_DENIED)
     return refusal
@@ -149,11 +150,19 @@ class DecisionService:
         if original.host is not None:
             headers[hdrs.HOST] = original.host
         asked = request.clone(method=original.method, rel_url=URL(original.target, encoded=True), headers=headers)
+        answer = await self._decide(asked, original.target, plans)
+        # What follows the question's own checks is about the client's request: nginx must
+        # hear it as a denial.
+        return for_nginx(answer) if mode == NGINX and answer.status >= 400 else answer
+
+    async def _decide(self, asked: web.BaseRequest, target: str, plans: Plans) -> web.StreamResponse:
+        """The answer to the original request `asked`, as the proxy handler would refuse it
+        or, allowed, with the fields it would send, on the plans the question began on."""
         host = checked_host(asked)
         if not isinstance(host, str):
             return host
         try:
-            path = normalize_path(original.target.partition("?")[0], plans.path_rule)
+            path = normalize_path(target.partition("?")[0], plans.path_rule)
         except PathRejected as exc:
             return problem(400, "Bad Request", str(exc))
         try:
@@ -168,7 +177,7 @@ class DecisionService:
         record = AccessRecord(request_id(asked.headers.get("X-Request-ID")), plans.identity, plans.log_secret)
         checked = await self._handler.check(asked, plan, plans, record)
         if isinstance(checked, web.StreamResponse):
-            return for_nginx(checked) if mode == NGINX else checked
+            return checked
         limit_headers, _, deciding = checked
         for cp in plan.concurrency:
             # A lease would be held for a request this listener never sees end.
