@@ -1,4 +1,4 @@
-"""Assembles one gateway from its config: store, limiter, proxy handler, metrics, and the two aiohttp apps.
+"""Assembles one gateway from its config: store, limiter, proxy handler, decision service, metrics, and the aiohttp servers.
 
 Trusts the config, which `gateway.config.loader` has validated; a reload that does not
 load keeps the config being served."""
@@ -21,6 +21,7 @@ from gateway.limiter.memory_store import MemoryStore
 from gateway.limiter.store import StoreError, refusal
 from gateway.limiter.worker_resets import WorkerResets
 from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics, breaker_gauge_setter
+from gateway.proxy.decision import DecisionService
 from gateway.proxy.handler import ProxyHandler
 from gateway.proxy.protocol import PublicServer
 from gateway.stores import make_store
@@ -38,6 +39,7 @@ RESTART_SETTINGS: tuple[tuple[str, Callable[[GatewayConfig], object]], ...] = (
     # Its files and min_version reload into the live context; only turning TLS on or off waits.
     ("listen.tls", lambda config: config.listen_tls is not None),
     ("admin_listen", attrgetter("admin_listen")),
+    ("decision_listen", attrgetter("decision_listen")),
     ("admin_token_env", attrgetter("admin_token")),
     ("admin_hosts", attrgetter("admin_hosts")),
     ("workers", attrgetter("workers")),
@@ -74,6 +76,7 @@ class Gateway:
         )
         self.handler = ProxyHandler(config, self.limiter, self.metrics)
         self.rls = _rls_service(config, self.limiter, self.metrics)
+        self.decisions = DecisionService(self.handler, self.metrics)  # served only with decision_listen
         # The public listener's, built here so that a reload can load renewed files into it.
         self.tls_context = tls.server_context(config.listen_tls) if config.listen_tls else None
         self.draining = False  # set when the drain starts: /readyz answers 503 from then on
@@ -139,6 +142,16 @@ class Gateway:
             auto_decompress=False,
             **kwargs,
         )
+
+    def decision_server(self) -> web.Server:
+        """The decision listener (gateway.proxy.decision): the same low-level server and
+        client limits as the public listener, every request to the decision handler."""
+        return PublicServer(self.decisions.handle, limits=self.config.clients, auto_decompress=False)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests and decisions being answered now: a drain waits for this to reach 0."""
+        return self.handler.in_flight + self.decisions.in_flight
 
     async def start(self) -> None:
         try:

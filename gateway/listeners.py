@@ -1,5 +1,6 @@
-"""Opening the gateway's two listeners: the public one (the proxy, with the access log
-when asked for) and the admin one, for a started `Gateway`, and draining the public one.
+"""Opening the gateway's listeners: the public one (the proxy, with the access log when
+asked for), the admin one and, with `decision_listen`, the decision one (forward-auth
+answers), for a started `Gateway`, and draining the public and decision ones.
 
 `gateway run` (gateway.server) and the in-process gateway of the tests
 (gateway.testing) both open them here, so the tests serve what production serves;
@@ -38,18 +39,20 @@ class Listeners:
     gateway: Gateway
     public: web.ServerRunner
     admin: web.AppRunner
+    decision: web.ServerRunner | None = None
     rls_port: int | None = None  # the port Envoy's rate-limit service listens on, when configured
 
     async def drain(self, grace: float) -> None:
         """Stop accepting on the public listener, then give the requests in flight up to
         `grace` to finish; /readyz answers 503 and /metrics and /healthz stay up meanwhile."""
         self.gateway.draining = True
-        for site in list(self.public.sites):
-            await site.stop()
+        for runner in (self.public, self.decision):
+            for site in list(runner.sites) if runner is not None else ():
+                await site.stop()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         # Polled, not an event: the request path would otherwise pay to signal each request's end.
-        while self.gateway.handler.in_flight and loop.time() < deadline:  # noqa: ASYNC110
+        while self.gateway.in_flight and loop.time() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(DRAIN_POLL_SECONDS)
 
 
@@ -58,7 +61,7 @@ async def open_listeners(
     gateway: Gateway, *, access_log: str | None = None, reuse_port: bool = False
 ) -> AsyncIterator[Listeners]:
     """Serve `gateway` on its config's `listen` (over TLS with `listen.tls`) and
-    `admin_listen` until the block ends; then cut what is still in flight (drain first
+    `admin_listen` (and `decision_listen` when set) until the block ends; then cut what is still in flight (drain first
     for a graceful stop). `access_log` ("text" or "json") writes a line per request to
     gateway.proxy.access_log's logger; `reuse_port` lets every worker bind the same ports."""
     config = gateway.config
@@ -70,17 +73,29 @@ async def open_listeners(
         shutdown_timeout=CUT_SECONDS,
     )
     admin = web.AppRunner(gateway.admin_app, access_log=None, shutdown_timeout=CUT_SECONDS)
+    decision = (
+        web.ServerRunner(gateway.decision_server(), shutdown_timeout=CUT_SECONDS)
+        if config.decision_listen is not None
+        else None
+    )
     await public.setup()
     await admin.setup()
+    if decision is not None:
+        await decision.setup()
     try:
-        sites = (
+        sites: list[web.BaseSite] = [
             PublicSite(
                 public, config.listen.host, config.listen.port, reuse_port=reuse_port, ssl_context=gateway.tls_context,
                 handshake_timeout=config.clients.header_timeout,
             ),
             web.TCPSite(admin, config.admin_listen.host, config.admin_listen.port, reuse_port=reuse_port),
-        )
-        for site, address in zip(sites, (config.listen, config.admin_listen)):
+        ]
+        addresses = [config.listen, config.admin_listen]
+        if decision is not None and config.decision_listen is not None:
+            # Plain HTTP: the proxies asking sit beside the gateway, as its admin listener's readers do.
+            sites.append(web.TCPSite(decision, config.decision_listen.host, config.decision_listen.port, reuse_port=reuse_port))
+            addresses.append(config.decision_listen)
+        for site, address in zip(sites, addresses):
             try:
                 await site.start()
             except OSError as exc:
@@ -97,11 +112,13 @@ async def open_listeners(
                     )
                 except OSError as exc:
                     raise StartupError(f"cannot listen on {address} (rls_listen): {os_reason(exc)}") from None
-            yield Listeners(gateway, public, admin, rls_port)
+            yield Listeners(gateway, public, admin, decision, rls_port)
     finally:
         # What is still in flight now is cut: aiohttp waits CUT_SECONDS twice for it.
         await public.cleanup()
         await admin.cleanup()
+        if decision is not None:
+            await decision.cleanup()
 
 
 class PublicSite(web.TCPSite):

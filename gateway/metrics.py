@@ -263,6 +263,16 @@ class Metrics:
             "(the limiter's, or `unmatched` for a descriptor without a rate limit).",
             ["domain", "decision"], **files,
         ))
+        self.decision_requests = add(counter(
+            "gateway_decision_requests",
+            "Questions answered on the decision listener, by the proxy's mode (nginx, traefik, envoy) and status.",
+            ["mode", "status"], **files,
+        ))
+        self.decision_concurrency_skipped = add(counter(
+            "gateway_decision_concurrency_skipped",
+            "Concurrency limits not taken for a request allowed on the decision listener, by route and limit.",
+            ["route", "limit"], **files,
+        ))
         self.limiter_latency = add(histogram(
             "gateway_limiter_latency_seconds", "Time to decide a request's rate and concurrency limits, store calls included.",
             buckets=LIMITER_BUCKETS, **files,

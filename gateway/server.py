@@ -88,13 +88,15 @@ async def serve(
             parser = request_parser()
             if parser != "llhttp":
                 log.warning("aiohttp parses requests in pure Python, not llhttp: install a compiled aiohttp wheel")
+            decisions = f", decisions http://{_bound(listeners.decision)}" if listeners.decision is not None else ""
             log.info(
-                "gateway %s (pid %d) listening on %s://%s (admin http://%s), store: %s, event loop: %s, parser: %s",
+                "gateway %s (pid %d) listening on %s://%s (admin http://%s)%s, store: %s, event loop: %s, parser: %s",
                 __version__,
                 os.getpid(),
                 "https" if gateway.tls_context else "http",
                 _bound(listeners.public),
                 _bound(listeners.admin),
+                decisions,
                 gateway.store.description,
                 _loop_name(loop),
                 parser,
@@ -228,6 +230,8 @@ def _supervise(config: GatewayConfig, access_log: str | None, watch: bool) -> in
     passed on as SIGHUP, and each worker reloads it."""
     check_bindable(config.listen)
     check_bindable(config.admin_listen)
+    if config.decision_listen is not None:
+        check_bindable(config.decision_listen)
     context = multiprocessing.get_context("fork")
     resets = WorkerResets()  # mapped before the fork, so every worker shares it
     processes = [

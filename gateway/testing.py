@@ -29,6 +29,7 @@ class RunningGateway:
     gateway: Gateway
     url: str
     admin_url: str
+    decision_url: str | None = None  # with `decision_listen` in the config
 
 
 def config_from_yaml(text: str, *, environ: dict[str, str] | None = None) -> GatewayConfig:
@@ -42,7 +43,10 @@ async def running_gateway(config: GatewayConfig | str) -> AsyncIterator[RunningG
     if isinstance(config, str):
         config = config_from_yaml(config)
     config = dataclasses.replace(
-        config, listen=Address(host="127.0.0.1", port=0), admin_listen=Address(host="127.0.0.1", port=0)
+        config,
+        listen=Address(host="127.0.0.1", port=0),
+        admin_listen=Address(host="127.0.0.1", port=0),
+        decision_listen=None if config.decision_listen is None else Address(host="127.0.0.1", port=0),
     )
     gateway = Gateway(config)
     await gateway.start()
@@ -52,6 +56,9 @@ async def running_gateway(config: GatewayConfig | str) -> AsyncIterator[RunningG
                 gateway=gateway,
                 url=f"{'https' if gateway.tls_context else 'http'}://127.0.0.1:{listeners.public.addresses[0][1]}",
                 admin_url=f"http://127.0.0.1:{listeners.admin.addresses[0][1]}",
+                decision_url=(
+                    f"http://127.0.0.1:{listeners.decision.addresses[0][1]}" if listeners.decision is not None else None
+                ),
             )
             # As `gateway run` stops: what is in flight gets up to the grace to finish.
             await listeners.drain(gateway.config.shutdown_grace)

@@ -124,11 +124,14 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
             "admin_raw_identities", "admin_hosts",
             "client_header_timeout", "client_body_timeout", "keepalive_timeout", "keepalive_requests",
             "max_header_size", "upstream_connections", "access_log", "response", "max_delayed", "client_ip",
-            "local_store_memory", "rls_listen", "rls_config",
+            "local_store_memory", "rls_listen", "rls_config", "decision_listen",
         ),
     )
     listen, listen_tls = _listen(top.get("listen", DEFAULT_LISTEN), r)
     admin_listen = r.parsed(parse_address, top.get("admin_listen", DEFAULT_ADMIN_LISTEN), "admin_listen")
+    decision_listen = (
+        r.parsed(parse_address, top["decision_listen"], "decision_listen") if top.get("decision_listen") is not None else None
+    )
     workers = r.integer(top.get("workers", 1), "workers", minimum=1, maximum=MAX_WORKERS)
     max_in_flight = r.integer(top.get("max_in_flight", DEFAULT_MAX_IN_FLIGHT), "max_in_flight", minimum=1)
     store = _store(top["store"], r) if top.get("store") is not None else None
@@ -138,7 +141,10 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
             f"{workers} needs a shared `store:`; with the in-process store each worker "
             f"would count separately and clients would get {workers} times the limit",
         )
-    for key, address in (("listen", listen), ("admin_listen", admin_listen)):
+    addresses = [("listen", listen), ("admin_listen", admin_listen)]
+    if decision_listen is not None:
+        addresses.append(("decision_listen", decision_listen))
+    for key, address in addresses:
         if workers > 1 and address.port == 0:
             r.fail(key, f"port 0 needs workers: 1; with workers: {workers} each worker would get a different port")
     trusted = tuple(
@@ -198,6 +204,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         source=r.source,
         listen=listen,
         admin_listen=admin_listen,
+        decision_listen=decision_listen,
         workers=workers,
         max_in_flight=max_in_flight,
         store=store,

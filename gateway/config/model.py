@@ -429,6 +429,8 @@ class GatewayConfig:
     jwt: JwtConfig | None = None  # how `jwt:CLAIM` identity sources verify their token
     path_normalization: PathNormalization = PathNormalization()
     listen_tls: ListenTls | None = None  # serve the public listener over TLS
+    # The decision listener, for forward-auth proxies (gateway.proxy.decision); None: not opened.
+    decision_listen: Address | None = None
     # A bearer token /metrics and /readyz require, read from the environment at load; never shown.
     admin_token: str | None = field(default=None, repr=False)
     # The admin API's top limited clients show identities as sent ("header:x-api-key=...")

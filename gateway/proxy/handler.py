@@ -129,6 +129,11 @@ class ProxyHandler:
             task.add_done_callback(self._closing.discard)
 
     @property
+    def plans(self) -> Plans:
+        """The plans of the config being served; a request reads them once, at its start."""
+        return self._plans
+
+    @property
     def in_flight(self) -> int:
         """Requests being handled now: a drain waits for this to reach 0."""
         return self._in_flight
@@ -221,9 +226,12 @@ class ProxyHandler:
             status = response.status if response is not None else 500
             requests(method_label(request.method), STATUS_CLASSES[status // 100]).inc()
 
-    async def _limited(
-        self, request: web.BaseRequest, plan: RoutePlan, plans: Plans, path: NormalPath, record: AccessRecord
-    ) -> web.StreamResponse:
+    async def check(
+        self, request: web.BaseRequest, plan: RoutePlan, plans: Plans, record: AccessRecord
+    ) -> web.StreamResponse | tuple[dict[str, str], Decision, float]:
+        """The route's rate limits for `request`, a mode: delay wait included: the refusal to
+        answer, or the RateLimit fields for the answer, the decision and the seconds it took.
+        The proxy and the decision listener (gateway.proxy.decision) both decide here."""
         # A slot to wait in is taken before the check, so waiting requests never pass the cap;
         # without one, the check may not delay (the store rejects what it cannot admit now).
         shaping = plan.shaping and self._delayed < plans.max_delayed
@@ -247,6 +255,15 @@ class ProxyHandler:
         if not decision.allowed:
             self._metrics.limiter_latency.observe(deciding)
             return rejection(plan, decision, limit_headers)
+        return limit_headers, decision, deciding
+
+    async def _limited(
+        self, request: web.BaseRequest, plan: RoutePlan, plans: Plans, path: NormalPath, record: AccessRecord
+    ) -> web.StreamResponse:
+        checked = await self.check(request, plan, plans, record)
+        if isinstance(checked, web.StreamResponse):
+            return checked
+        limit_headers, decision, deciding = checked
         if not plan.concurrency:
             if plan.limits:
                 self._metrics.limiter_latency.observe(deciding)

@@ -1,0 +1,187 @@
+"""The decision listener: forward-auth answers for proxies that proxy themselves (nginx
+`auth_request`, Traefik ForwardAuth, Envoy ext_authz in HTTP mode). A request here is a
+question about another request, the original; the answer is allow (2xx) or deny, with
+the RateLimit fields. Nothing is proxied.
+
+Trust model: the original request is read from headers the proxy writes, so it is
+believed only when the TCP peer is in `trusted_proxies`; anyone else gets 400 and is
+charged nothing. The client address is then read through the trusted proxies exactly
+as on the public listener (gateway.identity.sources), from the X-Forwarded-For (or the
+header `client_ip` names) the proxy sends. Which proxy asks, and so which headers name
+the original request and which statuses it understands, is the path asked:
+
+- `/decide/traefik`: X-Forwarded-Method, -Host and -Uri (Traefik ForwardAuth);
+- `/decide/nginx`: X-Original-Method and X-Original-URI, with the original Host
+  (`proxy_set_header Host $host`); nginx takes only 401 and 403 as a denial from an
+  auth_request, so a refusal is 403 and a store failure (503 elsewhere) is 401;
+- `/decide/envoy/<original path>`: the original method, path and headers as Envoy's
+  ext_authz HTTP service sends them, behind its `path_prefix`.
+
+Routing, identities, tiers, costs, shadow mode and failure policies are the proxy's own
+(ProxyHandler.check); only concurrency limits are not taken, since a decision never sees
+the end of the request it admits: they are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from aiohttp import hdrs, web
+from multidict import CIMultiDict
+from yarl import URL
+
+from gateway.metrics import Metrics
+from gateway.proxy.access_log import AccessRecord, request_id
+from gateway.proxy.handler import ProxyHandler
+from gateway.proxy.paths import PathRejected, normalize_path
+from gateway.proxy.problem import problem
+from gateway.proxy.protocol import checked_host
+from gateway.proxy.route_plan import Plans
+from gateway.proxy.routing import ConditionRejected
+
+NGINX, TRAEFIK, ENVOY = "nginx", "traefik", "envoy"
+MODES = (NGINX, TRAEFIK, ENVOY)
+DECIDE_PREFIX = "/decide/"
+ENVOY_PREFIX = "/decide/envoy"  # Envoy's http_service.path_prefix: the original path follows it
+# nginx turns any other auth_request status into a 500; its snippet maps these back.
+NGINX_DENIED = 403
+NGINX_UNDECIDED = 401
+# The status the gateway would have answered, for a proxy that needs another one (nginx).
+GATEWAY_STATUS = "X-Gateway-Status"
+# A method is an RFC 9110 token; anything else names no request a proxy would have sent.
+_METHOD = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,32}")
+# An origin-form target: a path, maybe a query, in visible ASCII.
+_TARGET = re.compile(r"/[\x21-\x7e]*")
+
+
+class Malformed(Exception):
+    """The original request's headers are missing, repeated or not what a proxy writes."""
+
+
+@dataclass(frozen=True, slots=True)
+class Original:
+    method: str
+    target: str  # origin-form: path, and query if any, as the client sent them
+    host: str | None  # None: the Host of the question is the original's (nginx, Envoy)
+
+
+def _one(request: web.BaseRequest, name: str) -> str:
+    values = request.headers.getall(name, ())
+    if len(values) != 1:
+        raise Malformed(f"{name} must be given once, got {len(values)}.")
+    return values[0]
+
+
+def original_request(mode: str, request: web.BaseRequest) -> Original:
+    """What the proxy says the original request was, for the decision path `mode`."""
+    if mode == TRAEFIK:
+        original = Original(
+            _one(request, "X-Forwarded-Method"), _one(request, "X-Forwarded-Uri"), _one(request, "X-Forwarded-Host")
+        )
+    elif mode == NGINX:
+        original = Original(_one(request, "X-Original-Method"), _one(request, "X-Original-URI"), None)
+    else:
+        rest = request.raw_path[len(ENVOY_PREFIX) :]
+        original = Original(request.method, rest or "/", None)
+    if _METHOD.fullmatch(original.method) is None:
+        raise Malformed("The original method is not an HTTP method.")
+    if _TARGET.fullmatch(original.target) is None:
+        raise Malformed("The original URI is not an origin-form path such as /path?query.")
+    return original
+
+
+def decision_mode(raw_path: str) -> str | None:
+    """The proxy a decision path is for, or None for a path that is none of them."""
+    if raw_path.startswith(ENVOY_PREFIX) and raw_path[len(ENVOY_PREFIX) : len(ENVOY_PREFIX) + 1] in ("", "/", "?"):
+        return ENVOY
+    path = raw_path.partition("?")[0]
+    if path in (DECIDE_PREFIX + NGINX, DECIDE_PREFIX + TRAEFIK):
+        return path[len(DECIDE_PREFIX) :]
+    return None
+
+
+def for_nginx(refusal: web.StreamResponse) -> web.StreamResponse:
+    """A refusal of the original request (over a limit, an identity or path refused, the
+    store failed) as nginx takes it from an auth_request: 403, or 401 for a store failure,
+    the gateway's own status in X-Gateway-Status. The 400s for a question that is not one
+    (an untrusted peer, headers the snippet should have set) stay 400, which nginx turns
+    into a 500: they are the proxy's misconfiguration, not the client's doing."""
+    refusal.headers[GATEWAY_STATUS] = str(refusal.status)
+    refusal.set_status(NGINX_UNDECIDED if refusal.status == 503 else NGINX_DENIED)
+    return refusal
+
+
+class DecisionService:
+    """The decision listener's one handler, on the proxy handler's plans (so a reload
+    reaches it) and its limiter check."""
+
+    def __init__(self, handler: ProxyHandler, metrics: Metrics) -> None:
+        self._handler = handler
+        self._metrics = metrics
+        self._in_flight = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Questions being answered now: a drain waits for this to reach 0."""
+        return self._in_flight
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        self._in_flight += 1
+        mode = decision_mode(request.raw_path)
+        try:
+            response = await self._answer(request, mode)
+        finally:
+            self._in_flight -= 1
+        self._metrics.decision_requests.labels(mode=mode or "none", status=str(response.status)).inc()
+        return response
+
+    async def _answer(self, request: web.BaseRequest, mode: str | None) -> web.StreamResponse:
+        if mode is None:
+            return problem(404, "Not Found", "Decisions are asked at /decide/nginx, /decide/traefik or /decide/envoy/<path>.")
+        plans = self._handler.plans
+        if not plans.identity.address(request.remote or "")[1]:
+            return problem(400, "Bad Request", "Only a peer in trusted_proxies may ask for decisions.")
+        try:
+            original = original_request(mode, request)
+        except Malformed as exc:
+            return problem(400, "Bad Request", str(exc))
+        headers = CIMultiDict(request.headers)
+        if original.host is not None:
+            headers[hdrs.HOST] = original.host
+        asked = request.clone(method=original.method, rel_url=URL(original.target, encoded=True), headers=headers)
+        answer = await self._decide(asked, original.target, plans)
+        # What follows the question's own checks is about the client's request: nginx must
+        # hear it as a denial.
+        return for_nginx(answer) if mode == NGINX and answer.status >= 400 else answer
+
+    async def _decide(self, asked: web.BaseRequest, target: str, plans: Plans) -> web.StreamResponse:
+        """The answer to the original request `asked`, as the proxy handler would refuse it
+        or, allowed, with the fields it would send, on the plans the question began on."""
+        host = checked_host(asked)
+        if not isinstance(host, str):
+            return host
+        try:
+            path = normalize_path(target.partition("?")[0], plans.path_rule)
+        except PathRejected as exc:
+            return problem(400, "Bad Request", str(exc))
+        try:
+            plan = plans.router.find(asked.method, host, path.match, asked.headers, asked.rel_url)
+        except ConditionRejected as exc:
+            return problem(400, "Bad Request", str(exc))
+        if plan is None:
+            # No route, no limit: the proxy asking routes the request itself.
+            return web.Response(status=200)
+        if path.parameters and not plan.allow_path_parameters:
+            return problem(400, "Bad Request", "This route does not accept ';' parameters in the path.")
+        record = AccessRecord(request_id(asked.headers.get("X-Request-ID")), plans.identity, plans.log_secret)
+        checked = await self._handler.check(asked, plan, plans, record)
+        if isinstance(checked, web.StreamResponse):
+            return checked
+        limit_headers, _, deciding = checked
+        for cp in plan.concurrency:
+            # A lease would be held for a request this listener never sees end.
+            self._metrics.decision_concurrency_skipped.labels(route=plan.label, limit=cp.limit.name).inc()
+        if plan.limits:
+            self._metrics.limiter_latency.observe(deciding)
+        return web.Response(status=200, headers=limit_headers)
