@@ -1,11 +1,12 @@
 """`python -m tests.bench`: the whole benchmark in one command.
 
 Installs what is missing, starts a private redis-server, an nginx upstream and
-every variant as real processes, measures throughput (wrk), latency at a fixed
-rate (httperf and an open-loop client), store checks per second and the
-gateway's RSS while 1 GiB streams each way, stops everything it started (also
-on Ctrl-C or SIGTERM), and prints a markdown report on stdout; progress goes to
-stderr.
+every variant as real processes, measures throughput (wrk) and, in the same
+rounds, the decisions per second of the decision listener and of Envoy's
+rate-limit service, latency at a fixed rate (httperf and an open-loop client),
+store checks per second and the gateway's RSS while 1 GiB streams each way,
+stops everything it started (also on Ctrl-C or SIGTERM), and prints a markdown
+report on stdout; progress goes to stderr.
 
     .venv/bin/python -m tests.bench [--rounds 5] [--duration 4] [--connections 50] [--quick]
 """

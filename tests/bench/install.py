@@ -24,8 +24,8 @@ EXTRA_TOOL_DIRS = ("/usr/sbin", "/sbin")
 
 # Modules imported from the `bench` extra: `limits` itself and coredis, the client
 # its `async+redis://` storage uses by default (the store-check phase), and
-# httptools, the ceiling's response parser.
-BENCH_EXTRA_MODULES = ("limits", "coredis", "httptools")
+# httptools, the ceiling's response parser, and grpc, the RLS variant's client.
+BENCH_EXTRA_MODULES = ("limits", "coredis", "httptools", "grpc")
 BENCH_EXTRA = "bench"
 
 

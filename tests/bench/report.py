@@ -15,7 +15,7 @@ from tests.bench.install import REPO_ROOT
 from tests.bench.latency import HTTPERF_BIN_MS, LatencyRun
 from tests.bench.store_checks import StoreRun
 from tests.bench.streaming import GIB, Transfer
-from tests.bench.throughput import ThroughputRun
+from tests.bench.throughput import RLS_CHANNELS, RLS_IN_FLIGHT_PER_CHANNEL, TRAEFIK_PATH, ThroughputRun
 from tests.bench.variants import Variant
 
 # The bound set on what streaming a body may add to the gateway's RSS, each way.
@@ -126,6 +126,8 @@ def throughput_table(results: Results) -> list[str]:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for variant in results.variants:
+        if variant.decides:
+            continue  # in decision_table
         runs = results.throughput[variant.key]
         rates = [run.wrk.requests_per_second for run in runs]
         calls = _divide(sum(run.script_calls for run in runs), sum(run.wrk.requests for run in runs))
@@ -135,6 +137,32 @@ def throughput_table(results: Results) -> list[str]:
             f"| ({variant.key}) | {variant.title} | {_number(median_rate(runs))} | "
             f"{_number(min(rates))}–{_number(max(rates))} | {_ratio(_divide(median_rate(runs), baseline))} | "
             f"{_per_request(calls)} | {_fail_open_share(results.decisions.get(variant.key))} | {errors} |"
+        )
+    return lines
+
+
+def decision_table(results: Results) -> list[str]:
+    """The decision services beside the proxy: each decision against (b)'s request, limited
+    the same way, and against (g), the ceiling of a proxy in Python."""
+    limited, ceiling = (median_rate(results.throughput[key]) if key in results.throughput else math.nan for key in ("b", "g"))
+    lines = [
+        "| variant | what | decisions/s (median) | min–max | × (b) | × (g) | Redis script calls / decision "
+        "| fail_open / limiter decisions | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for variant in results.variants:
+        if not variant.decides:
+            continue
+        runs = results.throughput[variant.key]
+        rates = [run.wrk.requests_per_second for run in runs]
+        median = median_rate(runs)
+        calls = _divide(sum(run.script_calls for run in runs), sum(run.wrk.requests for run in runs))
+        # Every decision is an allow: a refusal (a non-2xx, or an RLS answer not OK) is an error here.
+        errors = sum(run.wrk.socket_errors + run.wrk.non_success for run in runs)
+        lines.append(
+            f"| ({variant.key}) | {variant.title} | {_number(median)} | {_number(min(rates))}–{_number(max(rates))} | "
+            f"{_ratio(_divide(median, limited))} | {_ratio(_divide(median, ceiling))} | {_per_request(calls)} | "
+            f"{_fail_open_share(results.decisions.get(variant.key))} | {errors} |"
         )
     return lines
 
@@ -269,6 +297,8 @@ def render(results: Results, settings: Settings) -> str:
         f"- Code: {code_version()}",
         f"- Throughput: wrk -t{settings.threads} -c{settings.connections}, {_rounds(settings.rounds)} × "
         f"{settings.duration} s per variant, variants interleaved in each round; medians over the rounds",
+        f"- Decisions: in the same rounds, (i) by the same wrk at {TRAEFIK_PATH}, (j) by {RLS_CHANNELS} grpc.aio channels × "
+        f"{RLS_IN_FLIGHT_PER_CHANNEL} calls in flight from one process; medians over the rounds",
         f"- Latency: a fixed {settings.latency_rate:,.0f} req/s ({settings.latency_share:.0%} of (a)'s median), {_rounds(settings.rounds)} × "
         f"{settings.duration} s; medians of each round's percentiles",
         "",
@@ -277,6 +307,10 @@ def render(results: Results, settings: Settings) -> str:
         *throughput_table(results),
         "",
         flood_line(results),
+        "",
+        "### Decisions per second, beside the proxy (nothing forwarded)",
+        "",
+        *decision_table(results),
         "",
         "### Latency at a fixed request rate (no coordinated omission)",
         "",

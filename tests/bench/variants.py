@@ -1,10 +1,12 @@
-"""What the benchmark compares over HTTP, and how each is started.
+"""What the benchmark compares, and how each is started.
 
-Every variant but the floor of a denial (h), which answers 429 itself, forwards
-`GET /` to the same nginx upstream. The gateways run as
-users start them, `python -m gateway run -c FILE`, with the project's default
-store settings (a 10 ms store timeout included), so the numbers are the ones a
-user would see.
+Every proxy variant but the floor of a denial (h), which answers 429 itself,
+forwards `GET /` to the same nginx upstream. The two decision services, the
+decision listener asked as Traefik's forwardAuth asks (i) and Envoy's gRPC
+rate-limit service (j), forward nothing: each answer is a decision, on the same
+Redis and the same all-allowed limit as (b). The gateways run as users start
+them, `python -m gateway run -c FILE`, with the project's default store settings
+(a 10 ms store timeout included), so the numbers are the ones a user would see.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.bench.servers import ceiling_proxy, denial_floor, naive_proxy, nginx_limit_req_proxy, started
-from tests.processes import GatewayProcess, RedisServer
+from tests.processes import GatewayProcess, RedisServer, free_port
 
 # Rate and burst no client comes near in a run: every request is allowed, so what
 # is measured is the cost of checking, not of denying.
@@ -28,6 +30,21 @@ ALL_ALLOWED_LIMIT = "{rate: 1000000/second, burst: 1000000, key: ['header:X-API-
 # One token an hour: after the first request, a flooding client is denied for the whole run.
 FLOOD_LIMIT = "{rate: 1/hour, burst: 1, key: ['header:X-API-Key'], on_store_error: open}"
 FLOOD_API_KEY = "flood"
+# The decision services each variant of them measures (Variant.decides).
+TRAEFIK_DECISIONS = "traefik"  # wrk at the decision listener's /decide/traefik
+RLS_DECISIONS = "rls"  # gRPC ShouldRateLimit (tests.bench.rls_clients)
+# ALL_ALLOWED_LIMIT in envoyproxy/ratelimit's format: a key without a value, so each
+# descriptor value (one per client) has a bucket of its own, and none is ever refused.
+RLS_DOMAIN = "bench"
+RLS_DESCRIPTOR_KEY = "client"
+RLS_CONFIG = f"""domain: {RLS_DOMAIN}
+descriptors:
+  - key: {RLS_DESCRIPTOR_KEY}
+    rate_limit: {{unit: second, requests_per_unit: 1000000}}
+"""
+LIMITER_DECISIONS = "gateway_limiter_decisions_total"
+# The RLS counts its decisions per descriptor here, not in LIMITER_DECISIONS, which is per route.
+RLS_DESCRIPTOR_DECISIONS = "gateway_rls_descriptors_total"
 _EVENT_LOOP = re.compile(r"event loop: (\w+)")
 
 
@@ -43,18 +60,20 @@ class Environment:
 
 @dataclass
 class RunningVariant:
-    url: str
+    url: str  # what the load goes to; for the RLS, its gRPC target (host:port)
     gateway: GatewayProcess | None = None  # for /metrics and the startup line
+    decisions_metric: str = LIMITER_DECISIONS
 
     def limiter_decisions(self) -> collections.Counter[str]:
-        """The gateway's `gateway_limiter_decisions_total`, summed by decision (allow, deny, fail_open, ...)."""
+        """The gateway's decisions counter (`gateway_limiter_decisions_total`, or the RLS's
+        `gateway_rls_descriptors_total`), summed by decision (allow, deny, fail_open, ...)."""
         assert self.gateway is not None
         with urllib.request.urlopen(self.gateway.admin_url + "/metrics", timeout=5) as response:
             text = response.read().decode()
         decisions: collections.Counter[str] = collections.Counter()
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == "gateway_limiter_decisions_total":
+                if sample.name == self.decisions_metric:
                     decisions[sample.labels["decision"]] += int(sample.value)
         return decisions
 
@@ -74,16 +93,19 @@ class Variant:
     title: str
     start: Callable[[Environment], contextlib.AbstractContextManager[RunningVariant]]
     flood: bool = False  # sent as one client far over its limit (answered 429), not as 10,000 within theirs
+    # The decision service measured (TRAEFIK_DECISIONS, RLS_DECISIONS), or None for a proxy.
+    decides: str | None = None
 
 
-def gateway_yaml(upstream_url: str, *, store_url: str | None = None, limit: str | None = None) -> str:
-    """A gateway config with one route to the upstream, and at most one limit called `bench`."""
+def gateway_yaml(upstream_url: str, *, store_url: str | None = None, limit: str | None = None, extra: str = "") -> str:
+    """A gateway config with one route to the upstream, and at most one limit called `bench`;
+    `extra`, more top-level keys as YAML lines."""
     store = f"store:\n  url: {store_url}\n" if store_url else ""
     limits = f"limits:\n  bench: {limit}\n" if limit else ""
     route_limits = "[bench]" if limit else "[]"
     return f"""listen: 127.0.0.1:0
 admin_listen: 127.0.0.1:0
-{store}{limits}routes:
+{extra}{store}{limits}routes:
   - match: {{path: /}}
     upstream: {upstream_url}
     limits: {route_limits}
@@ -94,6 +116,28 @@ admin_listen: 127.0.0.1:0
 def running_gateway(config_text: str) -> Iterator[RunningVariant]:
     with started(GatewayProcess(config_text), "gateway") as gateway:
         yield RunningVariant(url=gateway.url, gateway=gateway)
+
+
+@contextlib.contextmanager
+def decision_listener(env: Environment) -> Iterator[RunningVariant]:
+    """(b)'s gateway with a decision listener, asked by wrk as a trusted proxy on 127.0.0.1."""
+    port = free_port()
+    extra = f"decision_listen: 127.0.0.1:{port}\ntrusted_proxies: [127.0.0.1/32]\n"
+    config = gateway_yaml(env.upstream_url, store_url=env.redis.url, limit=ALL_ALLOWED_LIMIT, extra=extra)
+    with started(GatewayProcess(config), "gateway") as gateway:
+        yield RunningVariant(url=f"http://127.0.0.1:{port}", gateway=gateway)
+
+
+@contextlib.contextmanager
+def rate_limit_service(env: Environment) -> Iterator[RunningVariant]:
+    """A gateway serving Envoy's RLS on (b)'s Redis, its route without limits."""
+    directory = env.work_dir / "rls-config"
+    directory.mkdir(exist_ok=True)
+    (directory / f"{RLS_DOMAIN}.yaml").write_text(RLS_CONFIG)
+    port = free_port()
+    extra = f"rls_listen: 127.0.0.1:{port}\nrls_config: {directory}\n"
+    with started(GatewayProcess(gateway_yaml(env.upstream_url, store_url=env.redis.url, extra=extra)), "gateway") as gateway:
+        yield RunningVariant(url=f"127.0.0.1:{port}", gateway=gateway, decisions_metric=RLS_DESCRIPTOR_DECISIONS)
 
 
 @contextlib.contextmanager
@@ -138,5 +182,13 @@ VARIANTS: tuple[Variant, ...] = (
         "h", "the floor of a denial: aiohttp web.Server answering a fixed 429 (uvloop)",
         lambda env: running_server(denial_floor(env.work_dir)),
         flood=True,
+    ),
+    Variant(
+        "i", "decision listener, Traefik forwardAuth at /decide/traefik, Redis limit, 10,000 clients, all allowed",
+        decision_listener, decides=TRAEFIK_DECISIONS,
+    ),
+    Variant(
+        "j", "Envoy RLS, gRPC ShouldRateLimit, Redis, 10,000 descriptor values, all allowed",
+        rate_limit_service, decides=RLS_DECISIONS,
     ),
 )
