@@ -125,8 +125,9 @@ async def test_a_flood_is_shaped_one_at_once_five_waiting_in_order_the_rest_reje
     assert_waited_their_turn(delays)
     # The five waiting requests were told their waits in one script call each, at once:
     # they are released a token's refill apart (half a refill of slack above, for the
-    # scheduler; a spacing of two refills still fails).
-    for earlier, later in itertools.pairwise(delays):
+    # scheduler; a spacing of two refills still fails). The first request is not one of
+    # them: a loaded gateway may forward it late, shortening the gap after it.
+    for earlier, later in itertools.pairwise(delays[1:]):
         assert STEP_MS - 1000 * JITTER <= later - earlier < 1.5 * STEP_MS, delays
     # Never more than the bucket allows in any span between the waiting requests' releases.
     for i in range(1, len(arrived)):
