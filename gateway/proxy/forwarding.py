@@ -55,7 +55,8 @@ class Upstream:
     """What one upstream base URL has in this process: its slots, its keep-alive HTTP/1.1
     connections, and the aiohttp sessions its WebSocket handshakes go out on."""
 
-    def __init__(self, url: str, connections: int, tls: ssl.SSLContext) -> None:
+    def __init__(self, url: str, connections: int, tls: ssl.SSLContext | None) -> None:
+        """`tls`: the context of an https `url` (None for http)."""
         self.url = url
         self.slots = UpstreamSlots(connections)
         self.client = UpstreamClient(url, tls)

@@ -77,10 +77,10 @@ class ProxyHandler:
         self._limiter = limiter
         self._metrics = metrics
         self._connections = config.upstream_connections
-        # One TLS context for every https upstream: the system's trust store (SSL_CERT_FILE
-        # too), verified, with each target's host name for SNI and the certificate check.
-        self._tls = ssl.create_default_context()
-        self._upstreams = {url: Upstream(url, self._connections, self._tls) for url in self._plans.upstreams}
+        # One TLS context for every https upstream, made with the first: loading the system's
+        # trust store costs tens of milliseconds, which a gateway without one never pays.
+        self._tls: ssl.SSLContext | None = None
+        self._upstreams = {url: self._upstream(url) for url in self._plans.upstreams}
         # Upstreams a reload dropped (a pool's targets replaced, a route removed), by the
         # generation of the config that dropped them. Requests that began on an older config
         # may still send there, so each closes once none of those is in flight: a fleet
@@ -94,6 +94,16 @@ class ProxyHandler:
         # check may yet tell them to. At most `max_delayed`; past it, checks may not delay.
         self._delayed = 0
 
+    def _upstream(self, url: str) -> Upstream:
+        tls = None
+        if url[:6].lower() == "https:":
+            if self._tls is None:
+                # The system's trust store (SSL_CERT_FILE too), verified, with each target's
+                # host name for SNI and the certificate check.
+                self._tls = ssl.create_default_context()
+            tls = self._tls
+        return Upstream(url, self._connections, tls)
+
     async def start(self) -> None:
         self._health.update(self._plans.pool_targets)
 
@@ -106,7 +116,7 @@ class ProxyHandler:
         for url in plans.upstreams:
             self._retiring.pop(url, None)  # named again before it closed: kept
             if url not in self._upstreams:
-                self._upstreams[url] = Upstream(url, self._connections, self._tls)
+                self._upstreams[url] = self._upstream(url)
         kept = set(plans.upstreams)
         for url in self._upstreams:
             if url not in kept:
