@@ -265,7 +265,8 @@ class Metrics:
         ))
         self.decision_requests = add(counter(
             "gateway_decision_requests",
-            "Questions answered on the decision listener, by the proxy's mode (nginx, traefik, envoy) and status.",
+            "Questions answered on the decision listener, by the proxy's mode (nginx, traefik, envoy) and the gateway's "
+            "status (nginx is sent 403 for a 429 and 401 for a 503).",
             ["mode", "status"], **files,
         ))
         self.decision_concurrency_skipped = add(counter(

@@ -42,10 +42,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+import grpc
 import yaml
 from aiohttp import web
 
-from tests.processes import GatewayProcess, RedisServer
+from gateway.envoy.generated import ratelimit_pb2, rls_pb2, rls_pb2_grpc
+from tests.processes import GatewayProcess, RedisServer, free_port
 from tests.prometheus import PrometheusServer, promtool
 from tests.upstream import upstream_app
 
@@ -180,17 +182,33 @@ def test_grafana_variables_are_made_concrete_and_an_unknown_one_fails():
 # --- the live scrape --------------------------------------------------------------------------
 
 
-def gateway_yaml(upstream: str, redis_url: str, pool: tuple[str, str], lone: str) -> str:
+# Envoy's rate-limit service: a domain whose one limit fails closed, as /closed does.
+RLS_CONFIG = """\
+domain: beside
+descriptors:
+  - key: client
+    rate_limit: {unit: second, requests_per_unit: 1000}
+    on_store_error: closed
+"""
+
+
+def gateway_yaml(upstream: str, redis_url: str, pool: tuple[str, str], lone: str, beside: tuple[int, int, Path]) -> str:
     """A limit of each failure policy, a shadow limit, a shaping limit with an allowlist, a
-    concurrency limit, a pool of two targets, a pool of one (`lone`) on /down, and an
-    unlimited route. Buckets on /open hold
+    concurrency limit, a pool of two targets, a pool of one (`lone`) on /down, an unlimited
+    route, and beside them (`beside`: its ports and rls_config directory) the decision
+    listener and Envoy's rate-limit service. Buckets on /open hold
     3 and refill once an hour, so the `flood` key is denied from its 4th request. /paced
     refills a token every 20 ms, so the second of two requests sent at once waits for it.
     /slow lets a client hold two requests in flight. The pools' targets are checked every
     500 ms and ejected after two failed requests in a row."""
+    decision_port, rls_port, rls_config = beside
     return f"""\
 listen: 127.0.0.1:0
 admin_listen: 127.0.0.1:0
+decision_listen: 127.0.0.1:{decision_port}
+trusted_proxies: [127.0.0.1/32]
+rls_listen: 127.0.0.1:{rls_port}
+rls_config: {rls_config}
 store: {{url: "{redis_url}"}}
 limits:
   per_client: {{rate: 1/hour, burst: 3, key: [header:X-API-Key, ip], on_store_error: open}}
@@ -291,11 +309,13 @@ class Traffic:
     client each on /closed and /local and the unlimited route, two requests of one client
     at once on /paced (the second is delayed) and one of an allowlisted client, three of one
     client at once on /slow (held 20 ms upstream: two are admitted, one is concurrency
-    limited), one on each pool, and a client that sends a request for the pool's slow path
-    and hangs up before the answer."""
+    limited), one on each pool, a client that sends a request for the pool's slow path
+    and hangs up before the answer; and beside them, Traefik's question about a new
+    client's request to /closed, and Envoy's about a new client."""
 
-    def __init__(self, client: aiohttp.ClientSession, url: str) -> None:
+    def __init__(self, client: aiohttp.ClientSession, url: str, decision_url: str, rls: Any) -> None:
         self._client, self._url = client, url
+        self._decision_url, self._rls = decision_url, rls
         self._clients = itertools.count()
         self.statuses: collections.Counter[tuple[str, int]] = collections.Counter()
         self.hung_up = 0
@@ -316,6 +336,19 @@ class Traffic:
         await writer.wait_closed()
         self.hung_up += 1
 
+    async def _decide(self, path: str, key: str) -> None:
+        """Traefik's ForwardAuth question about GET `path` from client `key`."""
+        headers = {"X-Forwarded-Method": "GET", "X-Forwarded-Uri": path, "X-Forwarded-Host": "gateway", "X-API-Key": key}
+        async with self._client.get(self._decision_url + "/decide/traefik", headers=headers) as response:
+            await response.read()
+            self.statuses["decide " + path, response.status] += 1
+
+    async def _should_rate_limit(self, key: str) -> None:
+        entry = ratelimit_pb2.RateLimitDescriptor.Entry(key="client", value=key)
+        request = rls_pb2.RateLimitRequest(domain="beside", descriptors=[ratelimit_pb2.RateLimitDescriptor(entries=[entry])])
+        response = await self._rls.ShouldRateLimit(request)
+        self.statuses["rls beside", response.overall_code] += 1
+
     async def round(self) -> None:
         fresh = f"client-{next(self._clients)}"
         await asyncio.gather(
@@ -324,6 +357,7 @@ class Traffic:
             self._get("/paced/a", "pacer"), self._get("/paced/a", "pacer"), self._get("/paced/a", "ops-key"),
             *(self._get("/slow?seconds=0.02", "holder") for _ in range(3)),
             self._get("/pool/a", None), self._get("/down/a", None), self._hang_up("/pool/slow?seconds=5"),
+            self._decide("/closed/a", fresh), self._should_rate_limit(fresh),
         )
 
 
@@ -394,14 +428,18 @@ async def all_problems(
     return found
 
 
-async def test_every_dashboard_and_alert_query_answers_from_a_real_prometheus_scraping_a_real_gateway(upstream):
+async def test_every_dashboard_and_alert_query_answers_from_a_real_prometheus_scraping_a_real_gateway(upstream, tmp_path):
     dashboard_exprs = dashboard_queries()
     rules = alert_rules()
     alert_exprs = [(f"alert {rule['alert']}", rule["expr"].strip()) for rule in rules]
     started = time.monotonic()
+    (tmp_path / "beside.yaml").write_text(RLS_CONFIG)
+    beside = (free_port(), free_port(), tmp_path)
     async with PoolTarget() as target_a, PoolTarget() as target_b, PoolTarget() as lone:
         with RedisServer() as redis:
-            gateway = GatewayProcess(gateway_yaml(upstream, redis.url, (target_a.url, target_b.url), lone.url))
+            gateway = GatewayProcess(gateway_yaml(upstream, redis.url, (target_a.url, target_b.url), lone.url, beside))
+            gateway.decision_url = f"http://127.0.0.1:{beside[0]}"
+            gateway.rls_target = f"127.0.0.1:{beside[1]}"
             async with off_the_loop(gateway) as gw, off_the_loop(PrometheusServer(prometheus_config(gw.admin_url))) as prom:
                 traffic, states, values, caught = await scenario(
                     gw, prom, redis, (target_a, lone), dashboard_exprs, rules, alert_exprs
@@ -422,8 +460,8 @@ async def scenario(
 ) -> tuple[Traffic, dict[str, str], dict[str, list[float]], dict[str, list[str]]]:
     """The traffic, its phases and the checks of every query; what it found, for the report.
     `stopped`: the pool target stopped midway (pool-a) and the one-target pool's (down-a)."""
-    async with aiohttp.ClientSession() as client:
-        traffic = Traffic(client, gw.url)
+    async with aiohttp.ClientSession() as client, grpc.aio.insecure_channel(gw.rls_target) as channel:
+        traffic = Traffic(client, gw.url, gw.decision_url, rls_pb2_grpc.RateLimitServiceStub(channel))
         # Every counter is first seen at its starting value, so that increases are seen.
         await drive_until(traffic, prom, client, ["gateway_config_reload_failures_total == 0"], "a first scrape")
 
@@ -445,7 +483,10 @@ async def scenario(
             'gateway_upstream_target_healthy{target="pool-b"} == 1',
             increased('gateway_client_closed_requests_total{route="/pool"}'),
             increased('gateway_upstream_target_requests_total{target="down-a"}'),
-        ], "allowed, limited, shadow-limited, delayed, allowlisted and concurrency-limited decisions, the pool, hang-ups")
+            increased('gateway_decision_requests_total{mode="traefik",status="200"}'),
+            increased('gateway_rls_descriptors_total{domain="beside",decision="allow"}'),
+        ], "allowed, limited, shadow-limited, delayed, allowlisted and concurrency-limited decisions, the pool, hang-ups, "
+           "and decisions beside a proxy")
         assert traffic.statuses["/open/a", 429] > 0
         assert traffic.statuses["/slow?seconds=0.02", 429] > 0
         assert traffic.statuses["/paced/a", 429] == 0  # the wait never passes max_delay
@@ -481,10 +522,14 @@ async def scenario(
                 increased('gateway_limiter_decisions_total{decision="fail_local"}'),
                 'max_over_time(gateway_store_breaker{state="open"}[1m]) == 1',
                 increased("gateway_concurrency_lease_release_failures_total"),
-            ], "failure-policy decisions, an open breaker and leases that could not be released")
+                increased('gateway_decision_requests_total{mode="traefik",status="503"}'),
+                increased('gateway_rls_descriptors_total{domain="beside",decision="fail_closed"}'),
+            ], "failure-policy decisions, an open breaker, leases that could not be released, and undecided questions")
         finally:
             redis.resume()
         assert traffic.statuses["/closed/a", 503] > 0
+        assert traffic.statuses["decide /closed/a", 503] > 0
+        assert traffic.statuses["rls beside", rls_pb2.RateLimitResponse.Code.OVER_LIMIT] > 0
         # Redis back: decisions resume and the breaker closes again.
         await drive_until(traffic, prom, client, ['gateway_store_breaker{state="closed"} == 1'], "the breaker closed")
 
@@ -526,7 +571,7 @@ async def scenario(
             ("a misspelt metric", "sum(rate(gateway_request_total[1m]))"),
             ("a decision the gateway never makes", 'sum(rate(gateway_limiter_decisions_total{decision=~"allow|limited"}[1m]))'),
             ("a hidden metric", "sum(rate(gateway_store_errors_total[1m])) or vector(0)"),
-            ("a label no series has", "sum by (status) (rate(gateway_requests_total[1m]))"),
+            ("a label no series has", "sum by (status_code) (rate(gateway_requests_total[1m]))"),
         ]
         caught = await all_problems(prom, client, canaries)
         assert len(caught) == len(canaries), caught

@@ -47,6 +47,9 @@ ENVOY_PREFIX = "/decide/envoy"  # Envoy's http_service.path_prefix: the original
 # nginx turns any other auth_request status into a 500; its snippet maps these back.
 NGINX_DENIED = 403
 NGINX_UNDECIDED = 401
+# The gateway's answers about a client's request (allowed, denied, not decided), counted
+# for every mode from the start so that dashboards and alerts read 0, not nothing.
+ANSWERS = ("200", "429", "503")
 # The status the gateway would have answered, for a proxy that needs another one (nginx).
 GATEWAY_STATUS = "X-Gateway-Status"
 # A method is an RFC 9110 token; anything else names no request a proxy would have sent.
@@ -120,6 +123,9 @@ class DecisionService:
         self._handler = handler
         self._metrics = metrics
         self._in_flight = 0
+        for mode in MODES:
+            for status in ANSWERS:
+                metrics.decision_requests.labels(mode=mode, status=status)
 
     @property
     def in_flight(self) -> int:
@@ -133,7 +139,9 @@ class DecisionService:
             response = await self._answer(request, mode)
         finally:
             self._in_flight -= 1
-        self._metrics.decision_requests.labels(mode=mode or "none", status=str(response.status)).inc()
+        # Counted as the gateway decided it: nginx's 403 and 401 are its 429 and 503.
+        status = response.headers.get(GATEWAY_STATUS) or str(response.status)
+        self._metrics.decision_requests.labels(mode=mode or "none", status=status).inc()
         return response
 
     async def _answer(self, request: web.BaseRequest, mode: str | None) -> web.StreamResponse:
