@@ -1,6 +1,7 @@
 """Opening the gateway's listeners: the public one (the proxy, with the access log when
 asked for), the admin one and, with `decision_listen`, the decision one (forward-auth
-answers), for a started `Gateway`, and draining the public and decision ones.
+answers) and, with `rls_listen`, Envoy's rate-limit service, for a started `Gateway`, and
+draining them.
 
 `gateway run` (gateway.server) and the in-process gateway of the tests
 (gateway.testing) both open them here, so the tests serve what production serves;
@@ -16,12 +17,15 @@ import contextlib
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from gateway.app import Gateway
 from gateway.proxy.access_log import ACCESS_LOG_FORMATS, access_logger
+
+if TYPE_CHECKING:
+    from gateway.envoy.service import RlsServer  # grpcio is an extra: imported only when configured
 
 # aiohttp's runner waits its shutdown_timeout for a handler, then cancels and waits it
 # again, so given the grace it would hold the exit for twice the grace. The drain waits
@@ -40,20 +44,28 @@ class Listeners:
     public: web.ServerRunner
     admin: web.AppRunner
     decision: web.ServerRunner | None = None
-    rls_port: int | None = None  # the port Envoy's rate-limit service listens on, when configured
+    rls: RlsServer | None = None  # Envoy's rate-limit service, when configured
+
+    @property
+    def rls_port(self) -> int | None:
+        return self.rls.port if self.rls is not None else None
 
     async def drain(self, grace: float) -> None:
-        """Stop accepting on the public listener, then give the requests in flight up to
-        `grace` to finish; /readyz answers 503 and /metrics and /healthz stay up meanwhile."""
+        """Stop accepting on the public and decision listeners and Envoy's rate-limit service,
+        then give the requests, questions and RPCs in flight up to `grace` to finish;
+        /readyz answers 503 and /metrics and /healthz stay up meanwhile."""
         self.gateway.draining = True
         for runner in (self.public, self.decision):
             for site in list(runner.sites) if runner is not None else ():
                 await site.stop()
+        rls = asyncio.ensure_future(self.rls.stop(grace)) if self.rls is not None else None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         # Polled, not an event: the request path would otherwise pay to signal each request's end.
         while self.gateway.in_flight and loop.time() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(DRAIN_POLL_SECONDS)
+        if rls is not None:
+            await rls  # its RPCs are answered within a store timeout, well inside the grace
 
 
 @contextlib.asynccontextmanager
@@ -100,19 +112,19 @@ async def open_listeners(
                 await site.start()
             except OSError as exc:
                 raise StartupError(f"cannot listen on {address}: {os_reason(exc)}") from None
-        async with contextlib.AsyncExitStack() as rls:
-            rls_port = None
+        async with contextlib.AsyncExitStack() as stack:
+            rls = None
             if gateway.rls is not None and config.rls is not None:
                 from gateway.envoy.service import serving  # grpcio is an extra: only when configured
 
                 address = config.rls.listen
                 try:
-                    rls_port = await rls.enter_async_context(
+                    rls = await stack.enter_async_context(
                         serving(gateway.rls, address.host, address.port, reuse_port=reuse_port)
                     )
                 except OSError as exc:
                     raise StartupError(f"cannot listen on {address} (rls_listen): {os_reason(exc)}") from None
-            yield Listeners(gateway, public, admin, decision, rls_port)
+            yield Listeners(gateway, public, admin, decision, rls)
     finally:
         # What is still in flight now is cut: aiohttp waits CUT_SECONDS twice for it.
         await public.cleanup()

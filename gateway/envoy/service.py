@@ -20,6 +20,7 @@ status). Nothing here imports the proxy.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -57,7 +58,7 @@ REFUSED = frozenset({DENY, FAIL_CLOSED, NO_ROOM})
 # The metric's labels for what the limiter did not decide.
 UNKNOWN_DOMAIN, UNMATCHED = "unknown", "unmatched"
 EXPORTED_DECISIONS = (ALLOW, DENY, SKIPPED, SHADOW_LIMITED, FAIL_OPEN, FAIL_CLOSED, FAIL_LOCAL, NO_ROOM, UNMATCHED)
-# On a stop, RPCs in flight get this long to finish; the limiter answers within a store timeout.
+# On a stop without a drain, RPCs in flight get this long to finish; the limiter answers within a store timeout.
 STOP_GRACE = 1.0
 
 
@@ -208,9 +209,25 @@ class _Servicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
+class RlsServer:
+    """The service's gRPC server, bound: its port, and its stop for a drain."""
+
+    def __init__(self, server: Any, port: int) -> None:
+        self._server = server
+        self.port = port
+        self._stopping: Any = None
+
+    async def stop(self, grace: float) -> None:
+        """Refuse new RPCs (UNAVAILABLE, so Envoy asks another instance) and give those in
+        flight up to `grace`; a second call waits for the first."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._server.stop(grace))
+        await asyncio.shield(self._stopping)
+
+
 @contextlib.asynccontextmanager
-async def serving(service: RateLimitService, host: str, port: int, *, reuse_port: bool = False) -> AsyncIterator[int]:
-    """Serve `service` on host:port until the block ends; yields the port bound. Raises
+async def serving(service: RateLimitService, host: str, port: int, *, reuse_port: bool = False) -> AsyncIterator[RlsServer]:
+    """Serve `service` on host:port until the block ends (or its stop); yields it bound. Raises
     OSError when the address cannot be bound. `reuse_port`: every worker binds the same port
     (grpcio's own default, which would otherwise let a second gateway share ours silently)."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if reuse_port else 0)])
@@ -228,7 +245,8 @@ async def serving(service: RateLimitService, host: str, port: int, *, reuse_port
     if not bound and port:
         raise OSError(f"cannot bind {address}")
     await server.start()
+    serving = RlsServer(server, bound)
     try:
-        yield bound
+        yield serving
     finally:
-        await server.stop(STOP_GRACE)
+        await serving.stop(STOP_GRACE)
