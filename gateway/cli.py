@@ -24,6 +24,7 @@ from gateway.log_lines import stderr_handler, stderr_line
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
+    from gateway.config.model import RlsConfig, RlsDescriptor, RlsRateLimit
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 128 + 2  # what a shell reports for a command SIGINT ended
@@ -176,6 +177,10 @@ def describe(config: GatewayConfig) -> str:
             f"merge_slashes {str(paths.merge_slashes).lower()}"
         ),
     ]
+    if config.decision_listen is not None:
+        lines.append(f"decision listener {config.decision_listen}: /decide/nginx, /decide/traefik, /decide/envoy/<path>")
+    if config.rls is not None:
+        lines.extend(_rls_lines(config.rls))
     if config.jwt is not None:
         algorithms = ", ".join(sorted({key.algorithm for key in config.jwt.keys}))
         checks = "".join(
@@ -237,3 +242,39 @@ def describe(config: GatewayConfig) -> str:
             f"({config.routes[earlier].label}) comes first and matches every request it could"
         )
     return "\n".join(lines)
+
+
+def _rls_lines(rls: RlsConfig) -> list[str]:
+    """Envoy's rate-limit service: each domain's rate limits, by their descriptor's path."""
+    lines = [f"envoy rate-limit service {rls.listen}: {len(rls.domains)} domain(s) from {rls.config_path}"]
+    for domain, root in sorted(rls.domains.items()):
+        lines.append(f"  domain {domain}:")
+        lines.extend(f"    {path}: {rule}" for path, rule in _rls_rules(root, ()))
+    return lines
+
+
+def _rls_rules(node: RlsDescriptor, parents: tuple[str, ...]) -> list[tuple[str, str]]:
+    below = [(selector, child) for selector, child in node.children.items()]
+    below += [(f"{key}_{prefix}*", child) for key, prefix, child in node.prefixes]
+    rules = []
+    for selector, child in below:
+        path = (*parents, selector)
+        if child.rate_limit is not None:
+            rules.append((" > ".join(path), _rls_rule(child.rate_limit)))
+        rules.extend(_rls_rules(child, path))
+    return rules
+
+
+def _rls_rule(rate_limit: RlsRateLimit) -> str:
+    limit = rate_limit.limit
+    if limit is None:
+        return "unlimited"
+    rule = f"{rate_limit.requests_per_unit}/{rate_limit.unit}, {'fixed window' if limit.quota else 'token bucket'}"
+    rule += f", on_store_error {limit.on_store_error.value}"
+    if limit.shadow:
+        rule += ", shadow mode"
+    if rate_limit.name:
+        rule += f", name {rate_limit.name}"
+    if rate_limit.replaces:
+        rule += f", replaces {', '.join(rate_limit.replaces)}"
+    return rule

@@ -349,7 +349,8 @@ def test_a_decision_port_taken_is_one_startup_line() -> None:
         config = Path(tempfile.mkdtemp(prefix="gateway-test-")) / "gateway.yaml"
         config.write_text(
             "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\n"
-            f"decision_listen: 127.0.0.1:{port}\nroutes: [{{match: {{path: /}}, upstream: 'http://127.0.0.1:9'}}]\n",
+            f"decision_listen: 127.0.0.1:{port}\ntrusted_proxies: [127.0.0.1/32]\n"
+            "routes: [{match: {path: /}, upstream: 'http://127.0.0.1:9'}]\n",
             encoding="utf-8",
         )
         result = run_cli("run", "-c", str(config))

@@ -151,6 +151,11 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         r.parsed(lambda v: _network(str(v)), item, f"trusted_proxies[{i}]")
         for i, item in enumerate(r.sequence(top.get("trusted_proxies", []), "trusted_proxies"))
     )
+    if decision_listen is not None and not trusted:
+        r.fail(
+            "decision_listen",
+            "needs trusted_proxies: only the proxies listed there may ask for decisions, so every question would get 400",
+        )
     forwarded_text = top.get("forwarded_headers", ForwardedHeaders.REPLACE.value)
     try:
         forwarded_headers = ForwardedHeaders(forwarded_text)
