@@ -307,6 +307,33 @@ async def test_200_concurrent_rpcs_from_4_clients_admit_exactly_the_burst(gatewa
     assert value(samples, "gateway_rls_descriptors_total", domain="cost", decision="deny") >= 150
 
 
+async def test_with_two_workers_the_port_is_shared_and_the_burst_is_exact(config_dir):
+    """workers: 2 on one Redis: both bind rls_listen, 16 channels (spread over the workers
+    by the kernel) with 200 RPCs in flight admit exactly the burst, and the admin
+    listener's counts are the workers' summed."""
+    port = free_port()
+    workers = f"workers: 2\nlisten: 127.0.0.1:{free_port()}\nadmin_listen: 127.0.0.1:{free_port()}\n"
+    with RedisServer(dedicated=True) as redis, GatewayProcess(
+        workers + GATEWAY.format(url=redis.url, port=port, directory=config_dir)
+    ) as gw:
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(16)]
+        try:
+            for c in channels:
+                await c.channel_ready()
+            stubs = [rls_pb2_grpc.RateLimitServiceStub(c) for c in channels]
+            burst = request("cost", descriptor(("burst", "workers")))
+            responses = await asyncio.gather(*(stubs[i % 16].ShouldRateLimit(burst) for i in range(200)))
+        finally:
+            for c in channels:
+                await c.close()
+        async with aiohttp.ClientSession() as client:
+            _, samples = await scrape(client, gw.admin_url)
+    assert sum(r.overall_code == OK for r in responses) == 50
+    assert value(samples, "gateway_rls_descriptors_total", domain="cost", decision="allow") == 50
+    assert value(samples, "gateway_rls_descriptors_total", domain="cost", decision="deny") == 150
+    assert value(samples, "gateway_rls_descriptors_total", domain="cost", decision="fail_open") == 0
+
+
 def _error(tmp_path: Path, text: str, gateway_extra: str = "") -> str:
     (tmp_path / "bad.yaml").write_text(textwrap.dedent(text))
     config = f"rls_listen: 127.0.0.1:0\nrls_config: {tmp_path}\n{gateway_extra}routes: [{{match: {{path: /}}, upstream: http://a}}]\n"
