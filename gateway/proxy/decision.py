@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
@@ -123,9 +124,12 @@ class DecisionService:
         self._handler = handler
         self._metrics = metrics
         self._in_flight = 0
+        # The counter of each (mode, status), bound once: both come from bounded sets (the
+        # modes, and the statuses the config and this module answer with).
+        self._answered: dict[tuple[str, str], Any] = {}
         for mode in MODES:
             for status in ANSWERS:
-                metrics.decision_requests.labels(mode=mode, status=status)
+                self._answered[mode, status] = metrics.decision_requests.labels(mode=mode, status=status)
 
     @property
     def in_flight(self) -> int:
@@ -140,8 +144,11 @@ class DecisionService:
         finally:
             self._in_flight -= 1
         # Counted as the gateway decided it: nginx's 403 and 401 are its 429 and 503.
-        status = response.headers.get(GATEWAY_STATUS) or str(response.status)
-        self._metrics.decision_requests.labels(mode=mode or "none", status=status).inc()
+        key = (mode or "none", response.headers.get(GATEWAY_STATUS) or str(response.status))
+        counter = self._answered.get(key)
+        if counter is None:
+            counter = self._answered[key] = self._metrics.decision_requests.labels(mode=key[0], status=key[1])
+        counter.inc()
         return response
 
     async def _answer(self, request: web.BaseRequest, mode: str | None) -> web.StreamResponse:
