@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 from collections.abc import AsyncIterator, Iterable
 
 import aiohttp
@@ -79,8 +78,14 @@ async def flood(http: aiohttp.ClientSession, url: str, keys: Iterable[str], *, a
             statuses[response.status] = statuses.get(response.status, 0) + 1
 
     pending = iter(keys)
-    while batch := list(itertools.islice(pending, at_once)):
-        await asyncio.gather(*(send(key) for key in batch))
+
+    async def sender() -> None:
+        # Each sender takes the next key as soon as its own answer is in: `at_once` in
+        # flight throughout, with no batch waiting for its slowest request.
+        for key in pending:
+            await send(key)
+
+    await asyncio.gather(*(sender() for _ in range(at_once)))
     return statuses
 
 
