@@ -145,8 +145,11 @@ class Gateway:
 
     def decision_server(self) -> web.Server:
         """The decision listener (gateway.proxy.decision): the same low-level server and
-        client limits as the public listener, every request to the decision handler."""
-        return PublicServer(self.decisions.handle, limits=self.config.clients, auto_decompress=False)
+        client limits as the public listener, every request to the decision handler. It
+        writes no access log: the proxy asking logs the request it holds, and
+        gateway_decision_requests_total counts the answers (aiohttp's default would log a
+        line per decision at INFO)."""
+        return PublicServer(self.decisions.handle, limits=self.config.clients, auto_decompress=False, access_log=None)
 
     @property
     def in_flight(self) -> int:
