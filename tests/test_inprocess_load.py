@@ -5,7 +5,8 @@ as users start it and a real upstream. Every count is exact:
 - a token bucket of burst 25 (1/hour, so nothing refills) admits exactly 25;
 - `mode: delay` with burst 1 at 1/s and max_delay 3 s admits the one at once and
   three that wait, the rest are rejected; with `max_delayed: 2`, one and two. A
-  token takes 1 s to refill, longer than 1000 connections take to arrive;
+  token takes 1 s to refill, longer than 1000 requests on open connections take to
+  be decided;
 - a quota of 40 a day admits exactly 40;
 - `concurrency: 7` in front of an upstream that holds every request: exactly 7
   reach it, the rest get 429 while those 7 are held, and never more than 7 are in
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -31,6 +33,7 @@ from tests.upstream import CountingUpstream, serving
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
 FLOOD = 1000
+CONNECT_AT_ONCE = 100
 HEAD = "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\n"
 
 
@@ -42,16 +45,29 @@ def config(limits: str, upstream: str, names: str, extra: str = "") -> str:
 
 
 async def flood(url: str, keys: list[str]) -> list[int]:
-    """One request per key, all sent at once, each on its own connection."""
-    connector = aiohttp.TCPConnector(limit=0, force_close=True)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as http:
+    """One request per key, each on its own connection, all sent at once: the connections
+    are opened first, in groups the listener's accept backlog (128) holds, and only then
+    is every request written. Connected as they are sent, 1000 would overflow the backlog,
+    and a refused SYN is retried a second later: past a token's refill."""
+    parts = urlsplit(url)
+    connections: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    try:
+        for start in range(0, len(keys), CONNECT_AT_ONCE):
+            group = keys[start : start + CONNECT_AT_ONCE]
+            connections += await asyncio.gather(*(asyncio.open_connection(parts.hostname, parts.port) for _ in group))
+        for (_, writer), key in zip(connections, keys):
+            writer.write(
+                f"GET {parts.path or '/'} HTTP/1.1\r\nHost: gateway\r\nX-API-Key: {key}\r\nConnection: close\r\n\r\n".encode()
+            )
 
-        async def one(key: str) -> int:
-            async with http.get(url, headers={"X-API-Key": key}) as response:
-                await response.read()
-                return response.status
+        async def status(reader: asyncio.StreamReader) -> int:
+            answer = await reader.read()  # to the end: the gateway closes after its answer
+            return int(answer.split(b" ", 2)[1])
 
-        return await asyncio.gather(*(one(key) for key in keys))
+        return await asyncio.gather(*(status(reader) for reader, _ in connections))
+    finally:
+        for _, writer in connections:
+            writer.close()
 
 
 async def decisions(admin_url: str) -> collections.Counter:
