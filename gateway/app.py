@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # user wrote rather than the model's attribute, and waits for a restart.
 RESTART_SETTINGS: tuple[tuple[str, Callable[[GatewayConfig], object]], ...] = (
     ("listen", attrgetter("listen")),
+    ("listen.backlog", attrgetter("listen_backlog")),
     # Its files and min_version reload into the live context; only turning TLS on or off waits.
     ("listen.tls", lambda config: config.listen_tls is not None),
     ("admin_listen", attrgetter("admin_listen")),

@@ -167,7 +167,8 @@ def describe(config: GatewayConfig) -> str:
         (
             f"listen {config.listen}{f' (TLS, {config.listen_tls.min_version} or newer)' if config.listen_tls else ''}, "
             f"admin {config.admin_listen}{' (bearer token)' if config.admin_token else ''}, workers {config.workers}, "
-            f"max in flight {config.max_in_flight} per worker, shutdown grace {config.shutdown_grace:g}s"
+            f"max in flight {config.max_in_flight} per worker, shutdown grace {config.shutdown_grace:g}s, "
+            f"listen backlog {config.listen_backlog}"
         ),
         f"store: {store}",
         f"trusted proxies: {trusted}",

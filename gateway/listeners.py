@@ -98,14 +98,17 @@ async def open_listeners(
         sites: list[web.BaseSite] = [
             PublicSite(
                 public, config.listen.host, config.listen.port, reuse_port=reuse_port, ssl_context=gateway.tls_context,
-                handshake_timeout=config.clients.header_timeout,
+                handshake_timeout=config.clients.header_timeout, backlog=config.listen_backlog,
             ),
             web.TCPSite(admin, config.admin_listen.host, config.admin_listen.port, reuse_port=reuse_port),
         ]
         addresses = [config.listen, config.admin_listen]
         if decision is not None and config.decision_listen is not None:
             # Plain HTTP: the proxies asking sit beside the gateway, as its admin listener's readers do.
-            sites.append(web.TCPSite(decision, config.decision_listen.host, config.decision_listen.port, reuse_port=reuse_port))
+            sites.append(web.TCPSite(
+                decision, config.decision_listen.host, config.decision_listen.port, reuse_port=reuse_port,
+                backlog=config.listen_backlog,
+            ))
             addresses.append(config.decision_listen)
         for site, address in zip(sites, addresses):
             try:

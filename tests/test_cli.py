@@ -78,7 +78,7 @@ def test_check_prints_the_routes_and_limits_it_understood(tmp_path):
     assert result.stderr == ""
     lines = result.stdout.splitlines()
     assert lines[0] == f"{path}: OK"
-    assert "listen 0.0.0.0:8080, admin 127.0.0.1:9090, workers 1, max in flight 1024 per worker, shutdown grace 20s" in lines
+    assert "listen 0.0.0.0:8080, admin 127.0.0.1:9090, workers 1, max in flight 1024 per worker, shutdown grace 20s, listen backlog 1024" in lines
     assert "store: redis://:***@127.0.0.1:6379/0 timeout=10ms prefix='rl:'" in lines
     assert "trusted proxies: 10.0.0.0/8" in lines
     assert "hunter2" not in result.stdout
@@ -151,7 +151,7 @@ def test_check_shows_route_options_host_and_the_in_process_store(tmp_path):
     result = run_cli("check", "-c", path)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert "listen 0.0.0.0:8080, admin 127.0.0.1:9090, workers 1, max in flight 1024 per worker, shutdown grace 1.5s" in lines
+    assert "listen 0.0.0.0:8080, admin 127.0.0.1:9090, workers 1, max in flight 1024 per worker, shutdown grace 1.5s, listen backlog 1024" in lines
     assert "store: in-process (one process only), 32 MiB, about 43,690 buckets" in lines
     assert "trusted proxies: none (X-Forwarded-For is ignored)" in lines
     assert lines[-1] == (

@@ -127,7 +127,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
             "local_store_memory", "rls_listen", "rls_config", "decision_listen",
         ),
     )
-    listen, listen_tls = _listen(top.get("listen", DEFAULT_LISTEN), r)
+    listen, listen_backlog, listen_tls = _listen(top.get("listen", DEFAULT_LISTEN), r)
     admin_listen = r.parsed(parse_address, top.get("admin_listen", DEFAULT_ADMIN_LISTEN), "admin_listen")
     decision_listen = (
         r.parsed(parse_address, top["decision_listen"], "decision_listen") if top.get("decision_listen") is not None else None
@@ -221,6 +221,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         jwt=jwt_config,
         path_normalization=_path_normalization(top.get("path_normalization", {}), r),
         listen_tls=listen_tls,
+        listen_backlog=listen_backlog,
         admin_token=_admin_token(top.get("admin_token_env"), r, environ),
         admin_raw_identities=r.boolean(top.get("admin_raw_identities", False), "admin_raw_identities"),
         admin_hosts=_admin_hosts(top.get("admin_hosts", []), r),

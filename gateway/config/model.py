@@ -413,6 +413,12 @@ class ListenTls:
     min_version: str = "TLSv1.2"
 
 
+# The kernel's queue of connections not yet accepted, as nginx's `listen ... backlog=`.
+# aiohttp's 128 overflows when as many new clients arrive at once as a worker admits
+# (max_in_flight), and a SYN the kernel drops is only retried a second later.
+DEFAULT_LISTEN_BACKLOG = 1024
+
+
 @dataclass(frozen=True, kw_only=True)
 class GatewayConfig:
     source: str
@@ -429,6 +435,8 @@ class GatewayConfig:
     jwt: JwtConfig | None = None  # how `jwt:CLAIM` identity sources verify their token
     path_normalization: PathNormalization = PathNormalization()
     listen_tls: ListenTls | None = None  # serve the public listener over TLS
+    # Connections the kernel queues for the public and decision listeners before they are accepted.
+    listen_backlog: int = DEFAULT_LISTEN_BACKLOG
     # The decision listener, for forward-auth proxies (gateway.proxy.decision); None: not opened.
     decision_listen: Address | None = None
     # A bearer token /metrics and /readyz require, read from the environment at load; never shown.

@@ -14,6 +14,7 @@ from typing import Any
 from gateway.config import jwt_keys, tls
 from gateway.config.http_names import HOST_RE
 from gateway.config.model import (
+    DEFAULT_LISTEN_BACKLOG,
     ClientIpHeader,
     ClientIpStrategy,
     DotSegments,
@@ -38,14 +39,20 @@ def _access_log(value: Any, r: _Reader) -> str | None:
     return value
 
 
-def _listen(doc: Any, r: _Reader) -> tuple[Address, ListenTls | None]:
-    """`listen: HOST:PORT`, or `listen: {address: HOST:PORT, tls: {cert, key, min_version}}`."""
+MAX_LISTEN_BACKLOG = 65535  # the kernel caps it lower still, at net.core.somaxconn
+
+
+def _listen(doc: Any, r: _Reader) -> tuple[Address, int, ListenTls | None]:
+    """`listen: HOST:PORT`, or `listen: {address: HOST:PORT, backlog: N, tls: {cert, key, min_version}}`."""
     if not isinstance(doc, dict):
-        return r.parsed(parse_address, doc, "listen"), None
-    spec = r.mapping(doc, "listen", required=("address",), optional=("tls",))
+        return r.parsed(parse_address, doc, "listen"), DEFAULT_LISTEN_BACKLOG, None
+    spec = r.mapping(doc, "listen", required=("address",), optional=("backlog", "tls"))
     address = r.parsed(parse_address, spec["address"], "listen.address")
+    backlog = r.integer(
+        spec.get("backlog", DEFAULT_LISTEN_BACKLOG), "listen.backlog", minimum=1, maximum=MAX_LISTEN_BACKLOG
+    )
     if spec.get("tls") is None:
-        return address, None
+        return address, backlog, None
     tls_doc = r.mapping(spec["tls"], "listen.tls", required=("cert", "key"), optional=("min_version",))
     min_version = tls_doc.get("min_version", "TLSv1.2")
     if not isinstance(min_version, str) or min_version not in tls.TLS_VERSIONS:
@@ -61,7 +68,7 @@ def _listen(doc: Any, r: _Reader) -> tuple[Address, ListenTls | None]:
         r.fail("listen.tls.key", str(exc))
     except OSError as exc:
         r.fail("listen.tls", f"cannot load the certificate and key: {exc.strerror or exc}")
-    return address, listen_tls
+    return address, backlog, listen_tls
 
 
 def _admin_hosts(value: Any, r: _Reader) -> frozenset[str]:
