@@ -310,8 +310,11 @@ async def test_concurrency_limits_are_skipped_and_counted(workers: int) -> None:
         with GatewayProcess(text) as gateway:
             url = f"http://127.0.0.1:{port}"
             async with aiohttp.ClientSession() as client:
+                _, before = await scrape(client, gateway.admin_url)
                 statuses = [(await ask(client, url, "envoy", "k1")).status for _ in range(3)]
                 _, samples = await scrape(client, gateway.admin_url)
+    # Exported from the start, so that an alert on its rate sees the first skip.
+    assert value(before, "gateway_decision_concurrency_skipped_total", route="/api", limit="conns") == 0
     assert statuses == [200, 200, 429]  # a held lease of 1 would have refused the second
     assert value(samples, "gateway_decision_concurrency_skipped_total", route="/api", limit="conns") == 2
     assert value(samples, "gateway_decision_requests_total", mode="envoy", status="200") == 2

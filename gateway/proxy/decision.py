@@ -196,7 +196,7 @@ class DecisionService:
         limit_headers, _, deciding = checked
         for cp in plan.concurrency:
             # A lease would be held for a request this listener never sees end.
-            self._metrics.decision_concurrency_skipped.labels(route=plan.label, limit=cp.limit.name).inc()
+            cp.decision_skipped.inc()
         if plan.limits:
             self._metrics.limiter_latency.observe(deciding)
         return web.Response(status=200, headers=limit_headers)

@@ -102,6 +102,9 @@ class ConcurrencyPlan:
     limit: ConcurrencyLimit
     decisions: Children  # gateway_limiter_decisions_total for this route and limit, by decision
     in_flight: Any  # the gateway_concurrency_in_flight child of this limit
+    # gateway_decision_concurrency_skipped_total for this route and limit: bound here, so
+    # that it reads 0 until the decision listener skips one.
+    decision_skipped: Any
     limited: Problem  # the 429
     fields: dict[str, str]  # its RateLimit (none left, no window known) and Retry-After
 
@@ -446,6 +449,7 @@ def _concurrency_plan(limit: ConcurrencyLimit, label: str, metrics: Metrics) -> 
             *((outcome,) for outcome in concurrency_outcomes(limit))
         ),
         in_flight=metrics.concurrency_in_flight.labels(limit=limit.name),
+        decision_skipped=metrics.decision_concurrency_skipped.labels(route=label, limit=limit.name),
         limited=Problem.of(
             429,
             "Too Many Requests",
