@@ -99,7 +99,7 @@ def limits_strategy(strategy_name: str) -> Callable[[str], Awaitable[tuple[Check
 
 
 CONTENDERS: tuple[Contender, ...] = (
-    Contender("store", "project RedisStore (gateway.limiter.redis_store)", open_project_store),
+    Contender("store", "project RedisStore (gateway.redis.store)", open_project_store),
     Contender("evalsha", "redis-py EVALSHA per call, same script", open_redis_py_evalsha),
     Contender("limits-moving", "limits MovingWindowRateLimiter", limits_strategy("MovingWindowRateLimiter")),
     Contender("limits-fixed", "limits FixedWindowRateLimiter", limits_strategy("FixedWindowRateLimiter")),
