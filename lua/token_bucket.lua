@@ -4,7 +4,8 @@
 -- The checks of a call run one after another, as that many calls in that order would: a
 -- later check sees what an earlier one charged. Check j, whose first key is KEYS[k] and whose
 -- letters are ARGV[p] (k and p start at 1 and move past each check in turn):
--- ARGV[p]                 one letter per limit: 'b' a token bucket, 'q' a quota; n letters, n limits
+-- ARGV[p]                 one letter per limit: 'b' a token bucket, 'q' a quota, in capitals ('B',
+--                         'Q') when its charge is owed; n letters, n limits
 -- KEYS[k + i - 1]         limit i: a bucket is a hash {tokens, ts}, a quota a hash {n, w}
 -- ARGV[p + 4i - 3 .. +3]  a bucket: capacity, rate (tokens per second), cost, debt (tokens it may owe)
 --                         a quota:  limit, period_ms (0: a calendar month), cost, offset_ms
@@ -19,6 +20,12 @@
 -- that may owe (max_delay × rate) admits a request it cannot pay now by going into debt,
 -- and the request waits until the tokens it took would have refilled. Remaining values
 -- are strings because Redis truncates Lua numbers to integers.
+--
+-- An owed charge (a capital letter: settled after the response, or a rule that charges every
+-- hit) is taken even when the check is refused and past what the bucket holds, into debt
+-- (a quota: past its limit). It refuses as any limit does when it could not pay, and a read
+-- (cost 0) is refused while the bucket is below zero; its retry is when such a read passes.
+-- Its debt is 0. The other limits of the check stay all or nothing.
 --
 -- The clock is Redis's own TIME, never the caller's, read once per call: a gateway whose
 -- clock runs fast gains nothing. It is the model of gateway/limiter/bucket.py and quota.py,
@@ -84,7 +91,7 @@ local now = tonumber(time[1]) * 1000 + tonumber(time[2]) / 1000
 -- One check: its first key KEYS[k], its letters ARGV[p], `count` limits.
 local function check(k, p, count)
   local kinds = ARGV[p]
-  local held, stamps, ends, costs, used, kept = {}, {}, {}, {}, {}, {}
+  local held, stamps, ends, costs, used, kept, owed, quotas = {}, {}, {}, {}, {}, {}, {}, {}
   local allowed = 1
   local retry_ms = 0
   local wait_ms = 0
@@ -101,8 +108,11 @@ local function check(k, p, count)
   for i = 1, count do
     local a = p + 4 * i - 3
     local cost = tonumber(ARGV[a + 2])
+    local kind = string.sub(kinds, i, i)
     costs[i] = cost
-    if string.sub(kinds, i, i) == 'q' then
+    owed[i] = kind == 'B' or kind == 'Q'
+    quotas[i] = kind == 'q' or kind == 'Q'
+    if quotas[i] then
       local limit, period, offset = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 3])
       local state = redis.call('HMGET', KEYS[k + i - 1], 'n', 'w')
       local n, w = tonumber(state[1]), tonumber(state[2])
@@ -116,7 +126,8 @@ local function check(k, p, count)
       end
       held[i], stamps[i], ends[i], used[i] = limit - n, start, finish, n
       if n + cost > limit then
-        deny(cost > limit and -1 or finish - now)
+        -- An owed charge past the limit is read again in the next window.
+        deny((cost > limit and not owed[i]) and -1 or finish - now)
       end
     else
       local capacity, rate, debt = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 3])
@@ -133,7 +144,12 @@ local function check(k, p, count)
       local elapsed = math.max(0, now - ts)
       tokens = math.min(capacity, tokens + elapsed / 1000 * rate)
       held[i], stamps[i], ends[i] = tokens, math.max(ts, now), -1
-      if tokens < cost then
+      if owed[i] then
+        if tokens < cost then
+          -- Until a read passes again: the charge is taken all the same.
+          deny((stamps[i] - now) + (cost - tokens) / rate * 1000)
+        end
+      elseif tokens < cost then
         if cost > capacity then
           deny(-1)
         else
@@ -152,8 +168,9 @@ local function check(k, p, count)
 
   local remaining, resets = {}, {}
   for i = 1, count do
-    local quota = string.sub(kinds, i, i) == 'q'
-    if allowed == 1 then
+    local quota = quotas[i]
+    local charged = allowed == 1 or owed[i]
+    if charged then
       held[i] = held[i] - costs[i]
       if costs[i] > 0 then
         local a = p + 4 * i - 3
@@ -172,7 +189,7 @@ local function check(k, p, count)
         end
       end
     end
-    if allowed == 0 and kept[i] then
+    if not charged and kept[i] then
       -- A denial writes nothing, but a key must still outlive its state: a reload that
       -- lowered the rate (or raised the burst or lengthened the window) makes the bucket take
       -- longer to fill than the TTL its last charge set, and expiring early it would come

@@ -39,6 +39,9 @@ differently: the script refills `elapsed / 1000 * rate`, the model
   charges forward.
 - **The denial cache's premise**, `remaining < cost` read from the reply,
   is the model's answer too, again except within a rounding tie.
+- **Owed charges** (`BucketSpec.owed`) are charged whether the call is allowed or not, so
+  their remaining is after the charge either way, and each refuses exactly when its
+  balance after the charge is below zero.
 """
 
 from __future__ import annotations
@@ -64,8 +67,8 @@ class Agreement:
     ties: int = 0  # decisions, or remaining-below-cost answers, split by rounding
     script_over_model: int = 0  # of those, decisions the script allowed and the model denied
     widest_tie: float = 0.0  # the largest gap between the balances of a tie
-    # The model's buckets after the call, charged only if the script allowed with a cost above 0,
-    # as the script (and the in-process store) write them.
+    # The model's buckets after the call, charged only if the script allowed (or the charge is
+    # owed) with a cost above 0, as the script (and the in-process store) write them.
     states: list[bucket.BucketState | None] = field(default_factory=list)
 
 
@@ -79,14 +82,15 @@ def agree(
     outcome = bucket.check(states, specs, now)
     result = Agreement(model=outcome)
     found = [bucket.refill(state, spec, now) for state, spec in zip(states, specs)]
-    script_found = [r + spec.cost if script_allowed else r for r, spec in zip(script_remaining, specs)]
+    script_found = [r + spec.cost if script_allowed or spec.owed else r for r, spec in zip(script_remaining, specs)]
 
     # Each carrier decides by its own balances.
     if script_allowed:
         consistent = all(r >= -spec.debt for r, spec in zip(script_remaining, specs))
     else:
         consistent = any(
-            r - spec.cost < -spec.debt or spec.cost > spec.capacity for r, spec in zip(script_remaining, specs)
+            r < 0 if spec.owed else r - spec.cost < -spec.debt or spec.cost > spec.capacity
+            for r, spec in zip(script_remaining, specs)
         )
     if not consistent:
         result.problems.append(f"the script decided allowed={script_allowed} against its own balances {script_remaining}")
@@ -97,7 +101,8 @@ def agree(
         split = [
             (theirs, mine.tokens, spec)
             for mine, theirs, spec in zip(found, script_found, specs)
-            if spec.cost <= spec.capacity and (theirs - spec.cost >= -spec.debt) != (mine.tokens - spec.cost >= -spec.debt)
+            if (spec.owed or spec.cost <= spec.capacity)
+            and (theirs - spec.cost >= -spec.debt) != (mine.tokens - spec.cost >= -spec.debt)
         ]
         if split and all(within(t, m, TOLERANCE, s.capacity) for t, m, s in split):
             result.ties += 1
@@ -106,7 +111,7 @@ def agree(
         else:
             result.problems.append(f"script allowed={script_allowed}, model {outcome} (balances {split})")
 
-    model_remaining = [s.tokens - spec.cost if script_allowed else s.tokens for s, spec in zip(found, specs)]
+    model_remaining = [s.tokens - spec.cost if script_allowed or spec.owed else s.tokens for s, spec in zip(found, specs)]
     for theirs, mine, spec in zip(script_remaining, model_remaining, specs):
         if not within(theirs, mine, TOLERANCE, spec.capacity):
             result.problems.append(f"remaining: script {theirs!r}, model {mine!r} ({spec})")
@@ -115,7 +120,7 @@ def agree(
             result.widest_tie = max(result.widest_tie, abs(theirs - mine))
 
     result.states = [
-        bucket.BucketState(tokens=s.tokens - spec.cost, stamp=s.stamp) if script_allowed and spec.cost else state
+        bucket.BucketState(tokens=s.tokens - spec.cost, stamp=s.stamp) if (script_allowed or spec.owed) and spec.cost else state
         for state, s, spec in zip(states, found, specs)
     ]
     return result

@@ -225,10 +225,13 @@ class Reference:
         for i, (tokens, stamp), cost in zip(indexes, current, costs):
             if tokens < cost:
                 capacity, rate = self.specs[i].capacity, self.specs[i].rate
-                waits.append(math.inf if cost > capacity else (stamp - now) + (cost - tokens) / rate)
+                if self.specs[i].owed:  # charged anyway: until a read finds the bucket at zero again
+                    waits.append((stamp - now) + (cost - tokens) / rate)
+                else:
+                    waits.append(math.inf if cost > capacity else (stamp - now) + (cost - tokens) / rate)
         remaining = []
         for i, (tokens, stamp), cost in zip(indexes, current, costs):
-            if allowed:
+            if allowed or self.specs[i].owed:
                 tokens -= cost
                 # Only a charged bucket is written back, as the stores do.
                 if cost:
@@ -241,7 +244,12 @@ def test_random_sequences_match_a_reference_written_from_the_rules_and_keep_the_
     rng = random.Random(20240601)
     for _ in range(40):
         specs = [
-            BucketSpec(capacity=rng.choice([1, 2, 5, 10, 100]), rate=rng.choice([1 / 3600, 0.5, 1, 7, 1e3]), cost=0)
+            BucketSpec(
+                capacity=rng.choice([1, 2, 5, 10, 100]),
+                rate=rng.choice([1 / 3600, 0.5, 1, 7, 1e3]),
+                cost=0,
+                owed=rng.random() < 0.3,  # its charges are taken even when refused, into debt
+            )
             for _ in range(4)
         ]
         reference = Reference(specs)
@@ -252,7 +260,9 @@ def test_random_sequences_match_a_reference_written_from_the_rules_and_keep_the_
             now += rng.choice([0.0, rng.uniform(0, 0.5), rng.uniform(0, 5), -rng.uniform(0, 2)])
             indexes = rng.sample(range(len(specs)), rng.randint(1, len(specs)))
             costs = [rng.choice([0, 1, 1, 1, 2, 3, specs[i].capacity, specs[i].capacity + 1]) for i in indexes]
-            step_specs = [BucketSpec(capacity=specs[i].capacity, rate=specs[i].rate, cost=c) for i, c in zip(indexes, costs)]
+            step_specs = [
+                BucketSpec(capacity=specs[i].capacity, rate=specs[i].rate, cost=c, owed=specs[i].owed) for i, c in zip(indexes, costs)
+            ]
             before = [held[i] for i in indexes]
 
             outcome = check(before, step_specs, now)
@@ -262,23 +272,26 @@ def test_random_sequences_match_a_reference_written_from_the_rules_and_keep_the_
             assert outcome.remaining == pytest.approx(remaining, rel=1e-9, abs=1e-9)
             assert outcome.retry_after == pytest.approx(retry_after, rel=1e-9, abs=1e-9)
             for old, new, s in zip(before, outcome.states, step_specs):
-                assert 0.0 <= new.tokens <= s.capacity
+                assert new.tokens <= s.capacity and (s.owed or new.tokens >= 0.0)
                 if old is not None:
                     assert new.stamp >= old.stamp, "the stamp moved backwards"
-                    if not allowed:
+                    if not allowed and not s.owed:
                         assert new.tokens >= min(old.tokens, s.capacity), "a denied check took tokens"
+            for i, new, s in zip(indexes, outcome.states, step_specs):
+                if s.cost and (allowed or s.owed):  # what the stores write back
+                    held[i] = new
             if allowed:
                 assert outcome.retry_after == 0.0
-                for i, new, s in zip(indexes, outcome.states, step_specs):
-                    if s.cost:
-                        held[i] = new
             else:
                 assert outcome.retry_after > 0
                 if math.isfinite(outcome.retry_after):
-                    # retry_after is tight: a moment before it still denies, at it every bucket can pay.
-                    later = check(before, step_specs, now + outcome.retry_after * (1 + 1e-9) + 1e-9)
+                    # retry_after is tight: a moment before it still denies, at it every bucket can
+                    # pay (an owed one: a read, since its charge was taken).
+                    retried = [BucketSpec(s.capacity, s.rate, 0 if s.owed else s.cost, owed=s.owed) for s in step_specs]
+                    after = list(outcome.states)  # the owed charges taken
+                    later = check(after, retried, now + outcome.retry_after * (1 + 1e-9) + 1e-9)
                     assert later.allowed
-                    sooner = check(before, step_specs, now + outcome.retry_after * 0.999)
+                    sooner = check(after, retried, now + outcome.retry_after * 0.999)
                     assert not sooner.allowed
 
 
@@ -386,3 +399,73 @@ def test_several_limits_stay_all_or_nothing_when_one_shapes_and_the_wait_is_the_
     denied = check([empty, empty], [shaping, strict], 0.0)
     assert not denied.allowed and denied.wait == 0 and denied.states == (empty, empty)
     assert denied.retry_after == pytest.approx(1.0)
+
+
+# --- owed charges: taken whatever the answer, into debt -----------------------------------------
+
+
+def test_envoys_read_then_charge_pattern_drives_the_bucket_into_debt_and_refuses_the_next_read():
+    """Envoy's charge after the response: a read (cost 0) before the request, the hits after
+    it. 2 per minute, as the reference's token-quota.sh: three reads pass (the third finds
+    the bucket at exactly 0, as the reference's count at its limit passes), the third charge
+    takes it to -1, and the fourth read is refused until the bucket has refilled past zero."""
+    rate = 2 / 60
+    read, hits = BucketSpec(2, rate, 0, owed=True), BucketSpec(2, rate, 1, owed=True)
+    held: BucketState | None = None
+    for expected in (1.0, 0.0, -1.0):
+        assert check([held], [read], 0.0).allowed
+        charged = check([held], [hits], 0.0)
+        assert charged.allowed is (expected >= 0) and charged.remaining == (expected,)
+        held = charged.states[0]
+    refused = check([held], [read], 0.0)
+    assert not refused.allowed and refused.remaining == (-1.0,) and refused.retry_after == pytest.approx(30.0)
+    assert not check([held], [read], 29.9).allowed
+    assert check([held], [read], 30.0).allowed
+    # A charge larger than the whole bucket is taken too, and repaid at the rate.
+    huge = check([None], [BucketSpec(2, rate, 10, owed=True)], 0.0)
+    assert not huge.allowed and huge.states == (BucketState(-8.0, 0.0),) and huge.remaining == (-8.0,)
+    assert huge.retry_after == pytest.approx(240.0)  # until a read passes: eight tokens at 1 per 30 s
+    assert seconds_until_full(huge.states[0], read, 0.0) == pytest.approx(300.0)
+
+
+def test_an_owed_charge_is_taken_when_another_limit_refuses_and_the_others_stay_all_or_nothing():
+    owed, plain = BucketSpec(5, 1, 2, owed=True), BucketSpec(1, 1, 1)
+    empty = BucketState(0.0, 0.0)
+    refused = check([None, empty], [owed, plain], 0.0)
+    assert not refused.allowed
+    assert refused.states == (BucketState(3.0, 0.0), empty)  # the owed charge taken, the plain one not
+    assert refused.remaining == (3.0, 0.0) and refused.retry_after == pytest.approx(1.0)
+
+
+def test_an_owed_quota_counts_past_its_limit_and_refuses_reads_until_its_window_ends():
+    from gateway.limiter import quota
+
+    hour = 3_600_000
+    charge = quota.spec_of("hour", 0, 2, 3, owed=True)
+    first = check([None], [charge], 0.0, quota_now=1000.0)
+    assert not first.allowed and first.states[0].count == 3 and first.remaining == (-1.0,)
+    assert first.retry_after == pytest.approx(hour - 1000)  # not never: the next window reads it again
+    read = quota.spec_of("hour", 0, 2, 0, owed=True)
+    assert not check([first.states[0]], [read], 0.0, quota_now=hour - 1).allowed
+    assert check([first.states[0]], [read], 0.0, quota_now=hour).allowed
+
+
+def test_owed_charges_over_a_long_run_admit_no_more_than_capacity_plus_refill_plus_one_charge():
+    """Reads before, charges after, as Envoy sends them: what is charged in all never exceeds
+    the burst plus the refill by more than the last charge, which the bucket owes."""
+    rng = random.Random(11)
+    capacity, rate = 20, 5
+    held: BucketState | None = None
+    now, charged, refused = 0.0, 0, 0
+    for _ in range(5000):
+        now += rng.uniform(0, 0.3)
+        if not check([held], [BucketSpec(capacity, rate, 0, owed=True)], now).allowed:
+            refused += 1
+            continue
+        cost = rng.choice([1, 2, 3, 8, 30])  # the hits are known only after the response
+        outcome = check([held], [BucketSpec(capacity, rate, cost, owed=True)], now)
+        held = outcome.states[0]
+        charged += cost
+    assert charged <= capacity + rate * now + 30
+    assert charged >= rate * now * 0.9 and refused > 0
+

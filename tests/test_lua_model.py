@@ -18,6 +18,10 @@ every step the script and the model must agree:
 - **retry_after**: the script's whole milliseconds are the model's wait rounded
   up (-1 where the model says never).
 
+Some limits' charges are owed (kind "B"): taken even when the check is refused, past zero
+into debt, which a read (cost 0) then finds and is refused for; the same invariants hold,
+with the stored state charged whenever the charge is owed.
+
 Some steps send two to four checks in one script call, as the store's batches
 do: each check is held to the model in turn, on the same `now`, after what the
 checks before it charged.
@@ -95,9 +99,9 @@ def script_args(capacity: float, rate: float, cost: int, debt: float = 0.0) -> l
     return [repr(float(capacity)), repr(float(rate)), repr(float(cost)), repr(float(debt))]
 
 
-def argv(*buckets: list[str]) -> list[str]:
-    """ARGV for buckets given by `script_args`: their kinds, then their values."""
-    return ["b" * len(buckets), *(a for values in buckets for a in values)]
+def argv(*buckets: list[str], kinds: str = "") -> list[str]:
+    """ARGV for buckets given by `script_args`: their kinds (default all "b"), then their values."""
+    return [kinds or "b" * len(buckets), *(a for values in buckets for a in values)]
 
 
 # How long a shaping limit (mode: delay) may hold a request, in seconds: none (it
@@ -109,14 +113,17 @@ class TokenBucketAgainstModel(RuleBasedStateMachine):
     @initialize(
         limits=st.lists(st.tuples(capacities, rates), min_size=1, max_size=3),
         delays=st.lists(max_delays, min_size=3, max_size=3),
+        owed=st.lists(st.sampled_from([False, False, True]), min_size=3, max_size=3),
         start=clock_starts,
     )
-    def setup(self, limits: list[tuple[float, float]], delays: list[float], start: int) -> None:
+    def setup(self, limits: list[tuple[float, float]], delays: list[float], owed: list[bool], start: int) -> None:
         self.redis = FakeRedis()
         self.script = LuaScript(SCRIPT, self.redis)
         self.limits = limits
-        # Tokens each bucket may owe: max_delay × rate, as the stores compute it.
-        self.debts = [delay * rate for delay, (_, rate) in zip(delays, limits)]
+        # Whether each bucket's charges are owed ("B": taken even when refused, into debt).
+        self.owed = owed[: len(limits)]
+        # Tokens each bucket may owe: max_delay × rate, as the stores compute it (none when owed).
+        self.debts = [0.0 if o else delay * rate for delay, o, (_, rate) in zip(delays, self.owed, limits)]
         self.keys = [f"rl:limit{i}:{{client}}" for i in range(len(limits))]
         self.model: list[bucket.BucketState | None] = [None] * len(limits)
         self.clock = start
@@ -170,7 +177,10 @@ class TokenBucketAgainstModel(RuleBasedStateMachine):
         args = [
             arg
             for chosen, costs in checks
-            for arg in argv(*(script_args(*self.limits[i], cost, self.debts[i]) for i, cost in zip(chosen, costs)))
+            for arg in argv(
+                *(script_args(*self.limits[i], cost, self.debts[i]) for i, cost in zip(chosen, costs)),
+                kinds="".join("B" if self.owed[i] else "b" for i in chosen),
+            )
         ]
         reply = self.script(keys, args)
         assert len(reply) == 5 * len(checks)
@@ -185,7 +195,9 @@ class TokenBucketAgainstModel(RuleBasedStateMachine):
 
         now = self.now_ms()
         specs = [
-            bucket.BucketSpec(capacity=self.limits[i][0], rate=self.limits[i][1] / 1000, cost=c, debt=self.debts[i])
+            bucket.BucketSpec(
+                capacity=self.limits[i][0], rate=self.limits[i][1] / 1000, cost=c, debt=self.debts[i], owed=self.owed[i]
+            )
             for i, c in zip(chosen, costs)
         ]
         states = [self.model[i] for i in chosen]
@@ -201,7 +213,7 @@ class TokenBucketAgainstModel(RuleBasedStateMachine):
             self.model[i] = state
         for text, spec, i in zip(remaining, specs, chosen):
             assert float(text) == float(repr(float(text)))  # a number, read back as written
-            if allowed and spec.cost and i in stored:
+            if (allowed or spec.owed) and spec.cost and i in stored:
                 # The reply is exactly what was stored: the gateway's denial cache
                 # trusts `remaining < cost`, so 0.99999999999999989 may not read as 1.
                 assert float(text) == float(self.redis.hashes[self.keys[i]]["tokens"]), text
@@ -236,6 +248,10 @@ class TokenBucketAgainstModel(RuleBasedStateMachine):
                 coverage["negative elapsed"] += now < state.stamp
                 tokens = bucket.refill(state, spec, now).tokens
                 coverage["fractional tokens"] += tokens != int(tokens)
+            if spec.owed:
+                coverage["owed charge refused, taken"] += spec.cost > 0 and not outcome.allowed
+                refilled = bucket.refill(state, spec, now).tokens if state is not None else spec.capacity
+                coverage["owed read in debt"] += spec.cost == 0 and refilled < 0
         coverage["allowed"] += outcome.allowed
         coverage["denied"] += not outcome.allowed
 
@@ -276,7 +292,7 @@ def test_the_script_makes_the_models_decisions():
     for case in (
         "zero elapsed", "negative elapsed", "cost 0", "cost above capacity", "rate <= 1e-5", "rate >= 1e5",
         "fractional tokens", "allowed", "denied", "expired", "waited exactly retry_after", "delayed", "in debt",
-        "checks in one call",
+        "checks in one call", "owed charge refused, taken", "owed read in debt",
     ):
         assert coverage[case] > 0, f"no example had {case}: {dict(coverage)}"
 

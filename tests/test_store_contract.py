@@ -219,3 +219,38 @@ async def test_a_quota_and_a_bucket_are_all_or_nothing_and_the_quota_resets_with
     tiny_empty = await store.check([check("tiny", identity="ip=192.0.2.2"), check("daily", identity="ip=192.0.2.3")])
     assert not tiny_empty.allowed and tiny_empty.remaining == approx(0, 2)
     assert (await store.check([check("daily", identity="ip=192.0.2.3")])).remaining == approx(1)
+
+
+async def test_an_owed_charge_is_taken_past_zero_and_the_next_read_is_refused_until_repaid(store: Store):
+    """Envoy's charge after the response on both carriers: a read (cost 0) passes, the hits
+    after it are taken even past what is left, and reads are refused until the debt is
+    repaid; the other limit of a refused request is not charged, the owed one is."""
+
+    def owed(name: str, cost: int, identity: str = "ip=192.0.2.20") -> LimitCheck:
+        return LimitCheck(limit=LIMITS[name], identity=identity, cost=cost, owed=True)
+
+    assert (await store.check([owed("one-a-hour", 0)])).allowed
+    taken = await store.check([owed("one-a-hour", 8)])  # 5 held: 3 owed
+    assert not taken.allowed and taken.remaining == approx(-3)
+    assert taken.retry_after == pytest.approx(3 * 3600, abs=60)  # until a read passes: 3 tokens at 1/hour
+    read = await store.check([owed("one-a-hour", 0)])
+    assert not read.allowed and read.remaining == approx(-3)
+    again = await store.check([owed("one-a-hour", 1), check("per-ip", "ip=192.0.2.20")])
+    assert not again.allowed and again.remaining == approx(-4, 10)  # owed taken, per-ip untouched
+    assert (await store.check([check("per-ip", "ip=192.0.2.20")])).remaining == approx(9)
+    held = await store.read(LIMITS["one-a-hour"], "ip=192.0.2.20")
+    assert held.tokens == pytest.approx(-4, abs=DRIFT) and held.full_in == pytest.approx(9 * 3600, abs=60)
+
+
+async def test_a_bucket_in_debt_outlives_its_debt_in_redis(redis_for_contract):
+    """The key's TTL covers the refill from the debt back to full, so Redis never forgets a
+    bucket that still owes."""
+    with redis_for_contract.client() as client:
+        client.flushall()
+    async with open_store(redis_for_contract.url, key_secret=None) as redis_store:
+        charge = LimitCheck(limit=LIMITS["one-a-hour"], identity="ip=192.0.2.21", cost=20, owed=True)
+        assert (await redis_store.check([charge])).remaining == approx(-15)
+        with redis_for_contract.client() as client:
+            (key,) = client.keys("*one-a-hour*")
+            ttl = client.pttl(key) / 1000
+    assert ttl >= 20 * 3600 - 60  # from -15 back to 5, at 1 an hour

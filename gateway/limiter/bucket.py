@@ -19,6 +19,13 @@ requests released after their waits are exactly those a plain bucket admits.
 
 A request's limits may also include fixed-window quotas (`gateway.limiter.quota`),
 checked and charged in the same all-or-nothing step.
+
+Owed charges (`owed`): a limit whose charge is owed whatever the answer (a cost settled
+after the response, or a rule that charges every hit) is charged even when the request
+is refused and even past what the bucket holds, so the bucket goes into debt (a quota:
+past its limit). It still answers as any limit does: it refuses when it could not pay the
+cost, and a cost of 0 (a read) is refused while the bucket is below zero. Its retry is
+when such a read passes again. The other limits of the request stay all or nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ class BucketSpec:
     rate: float  # tokens per second
     cost: float
     debt: float = 0.0  # tokens the bucket may owe: max_delay × rate; 0 rejects what it cannot pay now
+    owed: bool = False  # charged even when refused, past zero (then `debt` is 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +59,10 @@ class Outcome:
     """The result of one all-or-nothing check over several buckets."""
 
     allowed: bool
-    remaining: tuple[float, ...]  # per limit: after the charge if allowed, else as found (a quota: its limit less its count)
+    # per limit: after the charge if allowed (or owed), else as found (a quota: its limit less its count)
+    remaining: tuple[float, ...]
     retry_after: float  # seconds until every limit could pay; 0 when allowed, inf if never
-    states: tuple[BucketState | quota.QuotaState, ...]  # the states to store back (unchanged ones when denied)
+    states: tuple[BucketState | quota.QuotaState, ...]  # the states to store back (when denied: only owed ones charged)
     wait: float = 0.0  # when allowed: how long the request waits before it goes on (shaping)
     resets: tuple[float | None, ...] = ()  # per limit: a quota's time until its window ends, None for a bucket
 
@@ -95,10 +104,18 @@ def check(
             found.append((spec.limit - count, quota.QuotaState(count=count, start=start), reset))
             if count + spec.cost > spec.limit:
                 allowed = False
-                retry = max(retry, math.inf if spec.cost > spec.limit else reset)
+                never = spec.cost > spec.limit and not spec.owed  # an owed charge is read again next window
+                retry = max(retry, math.inf if never else reset)
             continue
         current = refill(state, spec, now)  # type: ignore[arg-type]
         found.append((current.tokens, current, None))
+        if spec.owed:
+            if current.tokens < spec.cost:
+                allowed = False
+                # Until a read (a cost of 0) passes again: the charge is taken all the same.
+                owing = BucketState(tokens=current.tokens - spec.cost, stamp=current.stamp)
+                retry = max(retry, seconds_until_affordable(owing, BucketSpec(spec.capacity, spec.rate, 0.0), now))
+            continue
         if current.tokens < spec.cost:
             until = seconds_until_affordable(current, spec, now)
             if math.isinf(until) or current.tokens - spec.cost < -spec.debt:
@@ -111,9 +128,9 @@ def check(
     if not allowed:
         return Outcome(
             allowed=False,
-            remaining=tuple(balance for balance, _, _ in found),
+            remaining=tuple(balance - spec.cost if spec.owed else balance for (balance, _, _), spec in zip(found, specs)),
             retry_after=retry,
-            states=tuple(state for _, state, _ in found),
+            states=tuple(_charged(state, spec) if spec.owed else state for (_, state, _), spec in zip(found, specs)),
             resets=resets,
         )
     return Outcome(
@@ -173,11 +190,13 @@ def seconds_until_full(state: BucketState, spec: BucketSpec, now: float) -> floa
 
 def spec_of(check: LimitCheck) -> Spec:
     """The model's spec of one check: a quota's windows, or a bucket that may owe
-    `max_delay` × rate tokens when the check may wait."""
+    `max_delay` × rate tokens when the check may wait, or whatever an owed charge takes."""
     limit = check.limit
     if limit.quota is not None:
-        return quota.spec_of(limit.quota.per, limit.quota.reset, limit.quota.limit, check.cost)
+        return quota.spec_of(limit.quota.per, limit.quota.reset, limit.quota.limit, check.cost, owed=check.owed)
     rate = limit.rate.per_second
+    if check.owed:  # charged whatever the answer: it never waits
+        return BucketSpec(capacity=limit.burst, rate=rate, cost=check.cost, owed=True)
     return BucketSpec(capacity=limit.burst, rate=rate, cost=check.cost, debt=check.max_delay * rate)
 
 

@@ -22,16 +22,18 @@ When a wave fails (a store error or timeout), the wave waiting behind it fails
 at once with the same error rather than sending: the store just failed, and a
 second full timeout would double the latency the failure policy promises.
 
-Only asyncio synchronisation, no I/O: the caller sends and reports back.
+Only asyncio synchronisation, no I/O: the caller sends and reports back, and counts a
+wave's seats with `check_seats`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from gateway.limiter.store import StoreError
+from gateway.limiter.store import LimitCheck, StoreError
 
 # A wave's seats when nothing limits them: every check that waited goes.
 UNLIMITED_SEATS = 1 << 62
@@ -117,3 +119,27 @@ class ClientWaves:
             # would hold the one before it, back to the first of a flood that never paused.
             wave.after = None
             wave.done.set_result(None)
+
+
+def check_seats(checks: Sequence[LimitCheck], waited: Wave) -> int:
+    """How many of these checks could pass now, at most, by what the store told the wave
+    waited for: its fewest tokens left, refilled at each limit's rate since that wave was
+    sent (a quota: none until its window ends), plus what shaping may borrow. Other
+    gateways only take tokens away, so more would be denied; a store that gives tokens
+    back (a refund) only makes a check wait one round trip longer than it had to."""
+    if waited.sent_at is None:
+        return UNLIMITED_SEATS
+    elapsed = time.monotonic() - waited.sent_at
+    seats = UNLIMITED_SEATS
+    for check, left, reset in zip(checks, waited.fewest_left, waited.resets):
+        if left is None or check.cost == 0:  # a cost of 0 always passes
+            continue
+        limit = check.limit
+        if limit.quota is not None:
+            if reset is None or elapsed >= reset:
+                continue
+            tokens = left
+        else:
+            tokens = left + (elapsed + limit.max_delay) * limit.rate.per_second
+        seats = min(seats, int(tokens // check.cost))
+    return seats

@@ -69,7 +69,7 @@ def decision_of(checks: Sequence[LimitCheck], answer: StoreDecision) -> Decision
             limit=c.limit,
             cost=c.cost,
             remaining=left,
-            outcome=outcome_of(answer.allowed, left, c.cost, c.max_delay * c.limit.rate.per_second),
+            outcome=owed_outcome(left) if c.owed else outcome_of(answer.allowed, left, c.cost, c.max_delay * c.limit.rate.per_second),
             reset=reset,
         )
         for c, left, reset in zip(checks, answer.remaining, answer.resets)
@@ -87,6 +87,20 @@ def outcome_of(allowed: bool, left: float | None, cost: int, debt: float) -> str
         # Charged below zero: this limit is why the request waits.
         return DELAYED if left is not None and left < 0 else ALLOW
     return DENY if left is not None and left - cost < -debt else SKIPPED
+
+
+def owed_outcome(left: float | None) -> str:
+    """An owed charge's outcome: it is taken either way, and `left` is after it; below zero,
+    the bucket could not pay (a read: it is in debt), and it refuses."""
+    return DENY if left is not None and left < 0 else ALLOW
+
+
+def owes_charge(checks: Sequence[LimitCheck]) -> bool:
+    """Whether a check charges an owed cost, which must reach the store whatever it answers."""
+    for c in checks:  # noqa: SIM110
+        if c.owed and c.cost:
+            return True
+    return False
 
 
 def as_shadow(status: LimitStatus) -> LimitStatus:

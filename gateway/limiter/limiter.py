@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 
 from gateway.config.model import FailurePolicy, Limit
 from gateway.limiter.circuit_breaker import BreakerState, CircuitBreaker
-from gateway.limiter.client_waves import UNLIMITED_SEATS, ClientWaves, Wave
+from gateway.limiter.client_waves import ClientWaves, check_seats
 from gateway.limiter.concurrency import FAILED_THIS_REQUEST as NOT_ASKED_AGAIN
 from gateway.limiter.concurrency import SETTLE_SECONDS, Concurrency
 from gateway.limiter.decision import (
@@ -54,6 +54,7 @@ from gateway.limiter.decision import (
     decision_of,
     leased,
     local_share,
+    owes_charge,
 )
 from gateway.limiter.denial_cache import REFUNDING_STORE_MAX_HOLD, DenialCache
 from gateway.limiter.memory_store import MemoryStore, StoreFull
@@ -82,38 +83,12 @@ log = logging.getLogger(__name__)
 # Store failures come in floods; one line a second says enough.
 FAILURE_LOG_INTERVAL = 1.0
 
-
-
 # What a check is told while the circuit breaker keeps it from the store.
 BREAKER_OPEN = StoreError("the store failed repeatedly; circuit breaker open")
 # What a leased check is told when the refill it waited for failed.
 LEASE_REFILL_FAILED = StoreError("the store failed the lease refill this request waited for")
 # What the rest of a request's checks are told once the store failed one of them.
 FAILED_THIS_REQUEST = StoreError(NOT_ASKED_AGAIN)  # the reason its concurrency limits are given too
-
-
-def _seats(checks: Sequence[LimitCheck], waited: Wave) -> int:
-    """How many of these checks could pass now, at most, by what the store told the wave
-    waited for: its fewest tokens left, refilled at each limit's rate since that wave was
-    sent (a quota: none until its window ends), plus what shaping may borrow. Other
-    gateways only take tokens away, so more would be denied; a store that gives tokens
-    back (a refund) only makes a check wait one round trip longer than it had to."""
-    if waited.sent_at is None:
-        return UNLIMITED_SEATS
-    elapsed = time.monotonic() - waited.sent_at
-    seats = UNLIMITED_SEATS
-    for check, left, reset in zip(checks, waited.fewest_left, waited.resets):
-        if left is None or check.cost == 0:  # a cost of 0 always passes
-            continue
-        limit = check.limit
-        if limit.quota is not None:
-            if reset is None or elapsed >= reset:
-                continue
-            tokens = left
-        else:
-            tokens = left + (elapsed + limit.max_delay) * limit.rate.per_second
-        seats = min(seats, int(tokens // check.cost))
-    return seats
 
 
 class Limiter:
@@ -150,7 +125,7 @@ class Limiter:
         else:
             self.denials = DenialCache()
         self.breaker = CircuitBreaker(on_change=on_breaker_change)
-        self._waves = ClientWaves(seats=_seats)
+        self._waves = ClientWaves(seats=check_seats)
         self._local_divisor = local_divisor
         self._local_store = local_store()
         self._local_limits: dict[tuple[str, int], tuple[Limit, Limit]] = {}  # (name, cost) -> (limit, its share)
@@ -339,11 +314,20 @@ class Limiter:
     ) -> Decision:
         """`lease`: the one check is a refill of its lease (`_lease_from_store`). `failed`: the
         store failed this request already; the failure policies answer without asking it."""
-        cached = denials.lookup(checks, time.monotonic())
-        if cached is not None:
-            return cached_denial(checks, cached)
+        owes = owes_charge(checks)
+        if not owes:
+            cached = denials.lookup(checks, time.monotonic())
+            if cached is not None:
+                return cached_denial(checks, cached)
         if failed is not None:
             return self._on_store_error(checks, failed)
+        if owes:
+            # An owed charge is taken whatever the answer: no cached denial or wave holds it back.
+            try:
+                answer = await self._ask_store(checks, denials, lease=False)
+            except StoreError as exc:
+                return self._on_store_error(checks, exc)
+            return self._on_store_error(checks, BREAKER_OPEN) if answer is None else decision_of(checks, answer)
         signature: tuple[object, ...] = tuple((c.limit.name, c.identity, c.cost) for c in checks)
         if lease:
             signature = ("lease", *signature)
@@ -358,28 +342,14 @@ class Limiter:
                 if cached is not None:
                     return cached_denial(checks, cached)
             sent_at = time.monotonic()
-            if not self.breaker.allows(sent_at):
+            found = await self._ask_store(checks, denials, lease=lease, sent_at=sent_at)
+            if found is None:
                 # Not the wave's error: the store was not asked, and the next wave asks
                 # the breaker for itself (it may be closed again by then).
                 return self._on_store_error(checks, BREAKER_OPEN)
-            try:
-                answer = await (self._lease_from_store(checks[0]) if lease else self.store.check(checks))
-            except StoreNotConnected:
-                self.breaker.not_sent(time.monotonic())
-                raise
-            except StoreError:
-                self.breaker.failed(time.monotonic())
-                raise
-            except asyncio.CancelledError:
-                self.breaker.abandoned(time.monotonic())
-                raise
-            self.breaker.succeeded()
+            answer = found
             if not lease:
                 wave.learn(sent_at, answer.remaining, answer.resets)
-            # Allowed or not, a bucket left short of its cost cannot pass until it refills.
-            for c, left, reset in zip(checks, answer.remaining, answer.resets):
-                if left is not None and left < c.cost:
-                    denials.record(c, remaining=left, sent_at=sent_at, reset=reset)
         except StoreError as exc:
             error = exc
             return self._on_store_error(checks, exc)
@@ -387,6 +357,33 @@ class Limiter:
             # After recording: the next wave wakes to a cache that knows this answer.
             self._waves.leave(signature, wave, error)
         return decision_of(checks, answer)
+
+    async def _ask_store(
+        self, checks: Sequence[LimitCheck], denials: DenialCache, *, lease: bool, sent_at: float | None = None
+    ) -> StoreDecision | None:
+        """The store's answer, behind the circuit breaker (None: it holds the store back), with
+        each bucket it left short recorded in the denial cache. Raises StoreError."""
+        if sent_at is None:
+            sent_at = time.monotonic()
+        if not self.breaker.allows(sent_at):
+            return None
+        try:
+            answer = await (self._lease_from_store(checks[0]) if lease else self.store.check(checks))
+        except StoreNotConnected:
+            self.breaker.not_sent(time.monotonic())
+            raise
+        except StoreError:
+            self.breaker.failed(time.monotonic())
+            raise
+        except asyncio.CancelledError:
+            self.breaker.abandoned(time.monotonic())
+            raise
+        self.breaker.succeeded()
+        # Allowed or not, a bucket left short of its cost cannot pass until it refills.
+        for c, left, reset in zip(checks, answer.remaining, answer.resets):
+            if left is not None and left < c.cost:
+                denials.record(c, remaining=left, sent_at=sent_at, reset=reset)
+        return answer
 
     def _on_store_error(self, checks: Sequence[LimitCheck], exc: StoreError) -> Decision:
         now = time.monotonic()

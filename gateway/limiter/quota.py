@@ -29,7 +29,7 @@ MONTH = 0  # the `period_ms` of a calendar month, whose length varies
 PERIOD_MS = {"hour": 3_600_000, "day": DAY_MS, "week": WEEK_MS, "month": MONTH}
 
 
-def spec_of(per: str, reset_seconds: float, limit: float, cost: float) -> QuotaSpec:
+def spec_of(per: str, reset_seconds: float, limit: float, cost: float, *, owed: bool = False) -> QuotaSpec:
     """The spec of a configured quota: windows `per` long, starting `reset_seconds` into the
     UTC day (an hour's at that many minutes past the hour; a week's on Monday)."""
     period = PERIOD_MS[per]
@@ -38,7 +38,7 @@ def spec_of(per: str, reset_seconds: float, limit: float, cost: float) -> QuotaS
         offset %= period
     elif per == "week":
         offset += WEEK_START_MS
-    return QuotaSpec(limit=limit, period_ms=period, offset_ms=offset, cost=cost)
+    return QuotaSpec(limit=limit, period_ms=period, offset_ms=offset, cost=cost, owed=owed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +47,7 @@ class QuotaSpec:
     period_ms: float  # the window's length; MONTH for calendar months
     offset_ms: float  # where windows start within the period (for weeks, counted from Monday 00:00 UTC)
     cost: float
+    owed: bool = False  # counted even when refused, past the limit (gateway.limiter.bucket)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 A store takes the request's list of (limit, identity, cost) and answers with a
 decision in one atomic step: all limits allow and all are charged, or nothing
-is charged. It also holds concurrency leases: it takes one atomically if
+is charged but what is owed (`LimitCheck.owed`), which is charged either way. It also holds concurrency leases: it takes one atomically if
 fewer than the limit's concurrency are live, and gives it up on release. For
 the admin API it reads a bucket or an identity's leases without changing them,
 and forgets them. It knows nothing of HTTP. Every failure to reach the shared
@@ -46,6 +46,11 @@ class LimitCheck:
     # The longest this request may wait to be admitted (the limit's max_delay, when the
     # caller has room to hold it); 0: admitted now or rejected.
     max_delay: float = 0.0
+    # The cost is owed whatever the answer (settled after the response, or a rule that
+    # charges every hit): charged even when the request is refused, past what the bucket
+    # holds, into debt. It still refuses when it could not pay, as does a read (cost 0)
+    # while the bucket is in debt. Never waits: max_delay is ignored.
+    owed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +118,7 @@ class Store(Protocol):
         """Open connections. May raise StoreError; the gateway still starts and retries."""
 
     async def check(self, checks: Sequence[LimitCheck]) -> StoreDecision:
-        """Check all buckets and charge them all, or none. Raises StoreError."""
+        """Check all buckets and charge them all, or none but the owed ones. Raises StoreError."""
 
     async def acquire(self, lease: LeaseCheck) -> LeaseDecision:
         """Take the lease if fewer than the limit's concurrency are live, or renew it if held

@@ -71,7 +71,7 @@ LEASE_DELETE_SCRIPT = (
     b"local live = redis.call('ZCOUNT', KEYS[1], '(' .. (t[1] * 1000 + math.floor(t[2] / 1000)), '+inf') "
     b"redis.call('DEL', KEYS[1]) return live"
 )
-# Formatted script arguments kept, one per limit object, cost and max_delay: far more than a
+# Formatted script arguments kept, one per limit object, cost, max_delay and owed: far more than a
 # config has. Each reload brings new limit objects, so past this the cache starts over.
 ARGS_CACHE_ENTRIES = 4096
 # Bucket keys kept, one per (limit, identity) of at most COMPACT_IDENTITY characters (~30 MB
@@ -88,7 +88,7 @@ class RedisStore:
         self._config = config
         self.description = f"redis {redacted_url(config.url)}"
         self._scripts = Scripts.load()
-        self._args_cache: dict[tuple[int, int, float], tuple[Limit, tuple[bytes, ...]]] = {}
+        self._args_cache: dict[tuple[int, int, float, bool], tuple[Limit, tuple[bytes, ...]]] = {}
         self._keys_cache: dict[tuple[str, str], str] = {}
         self._keys_secret: bytes | None = None  # the secret the cached keys were hashed with
         self._lease_args_cache: dict[str, tuple[ConcurrencyLimit, tuple[bytes, bytes]]] = {}
@@ -226,8 +226,10 @@ class RedisStore:
         Each call is all-or-nothing within its slot. When a later slot denies, what
         the earlier slots charged is given back (`lua/token_refund.lua`) before the
         denial is answered. Until the refund lands, those buckets hold less than they
-        should, which can only deny, never admit. When a later slot fails, earlier charges
-        stay: the request may yet be allowed by the failure policy."""
+        should, which can only deny, never admit. Owed charges are never given back, and
+        those of the slots after a denial are still sent (alone), since they are charged
+        whatever the answer. When a later slot fails, earlier charges stay: the request
+        may yet be allowed by the failure policy."""
         slots: dict[int, list[int]] = {}
         for i, key in enumerate(keys):
             slots.setdefault(key_slot(key), []).append(i)
@@ -237,23 +239,34 @@ class RedisStore:
         resets: list[float | None] = [None] * len(checks)
         charged: list[int] = []
         wait = 0.0
+        denial: StoreDecision | None = None
         for slot in sorted(slots):
             indices = slots[slot]
+            if denial is not None:  # refused: what the later slots owe is charged all the same
+                indices = [i for i in indices if checks[i].owed]
+                if not indices:
+                    continue
             part = [checks[i] for i in indices]
             decision = _decision(await self._batches.add(slot, [keys[i] for i in indices], self._args(part)))
             for i, left, reset in zip(indices, decision.remaining, decision.resets):
                 remaining[i], resets[i] = left, reset
+            if denial is not None:
+                if not decision.allowed and decision.retry_after > denial.retry_after:
+                    denial = decision
+                continue
             if not decision.allowed:
-                for i in charged:
+                denial = decision
+                given_back = [i for i in charged if checks[i].cost and not checks[i].owed]
+                for i in given_back:
                     found = remaining[i]
                     assert found is not None  # its slot answered
                     remaining[i] = found + checks[i].cost  # as found, before this request
-                await self._refund([i for i in charged if checks[i].cost], checks, keys)
-                return StoreDecision(
-                    allowed=False, remaining=tuple(remaining), retry_after=decision.retry_after, resets=tuple(resets)
-                )
+                await self._refund(given_back, checks, keys)
+                continue
             charged += indices
             wait = max(wait, decision.wait)
+        if denial is not None:
+            return StoreDecision(allowed=False, remaining=tuple(remaining), retry_after=denial.retry_after, resets=tuple(resets))
         return StoreDecision(allowed=True, remaining=tuple(remaining), retry_after=0.0, wait=wait, resets=tuple(resets))
 
     async def _refund(self, indices: list[int], checks: Sequence[LimitCheck], keys: list[str]) -> None:
@@ -315,7 +328,7 @@ class RedisStore:
         return keys
 
     def _args(self, checks: Sequence[LimitCheck]) -> Sequence[bytes]:
-        """ARGV of one check: the kind of each limit (b: bucket, q: quota), then four values per limit."""
+        """ARGV of one check: the kind of each limit (b: bucket, q: quota; in capitals when owed), then four values per limit."""
         if len(checks) == 1:
             return self._script_args(checks[0])
         formatted = [self._script_args(c) for c in checks]
@@ -331,12 +344,12 @@ class RedisStore:
         return cached[1]
 
     def _script_args(self, check: LimitCheck) -> tuple[bytes, ...]:
-        """The kind and four values of one limit, formatted once per limit, cost and max_delay: a bucket's
+        """The kind and four values of one limit, formatted once per limit, cost, max_delay and owed: a bucket's
         capacity, rate per second, cost and debt (max_delay × rate), or a quota's limit, period,
         cost and offset in ms (`gateway.limiter.bucket.spec_of`). Keyed by the limit object,
         so a limit a reload replaced is formatted anew."""
         limit = check.limit
-        key = (id(limit), check.cost, check.max_delay)
+        key = (id(limit), check.cost, check.max_delay, check.owed)
         cached = self._args_cache.get(key)
         if cached is None or cached[0] is not limit:
             spec = bucket.spec_of(check)
@@ -344,6 +357,8 @@ class RedisStore:
                 kind, values = b"q", (spec.limit, spec.period_ms, spec.cost, spec.offset_ms)
             else:
                 kind, values = b"b", (spec.capacity, spec.rate, spec.cost, spec.debt)
+            if spec.owed:
+                kind = kind.upper()
             if len(self._args_cache) >= ARGS_CACHE_ENTRIES:
                 self._args_cache.clear()  # mostly limits that reloads replaced, kept alive by this cache
             self._args_cache[key] = cached = (limit, (kind, *(repr(float(v)).encode() for v in values)))
