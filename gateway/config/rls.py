@@ -41,6 +41,7 @@ UNIT_SECONDS = {"second": 1.0, "minute": 60.0, "hour": 3600.0, "day": 86400.0, "
 # The gateway's quota windows among those units: its quotas have no second, minute or year window.
 FIXED_WINDOW_UNITS = ("hour", "day", "month")
 ALGORITHMS = ("token_bucket", "fixed_window")
+CHARGES = ("when_allowed", "always")
 # The files of a config directory; envoyproxy/ratelimit's own examples all end so.
 CONFIG_SUFFIXES = (".yaml", ".yml")
 # Envoy's descriptor keys and values are free text; the Limit's name goes into Redis keys,
@@ -127,15 +128,15 @@ def _level(
 
 
 def _rate_limit(doc: Any, path: str, name: str, shadow: bool, policy: FailurePolicy, r: _Reader) -> RlsRateLimit:
-    spec = r.mapping(doc, path, optional=("unit", "requests_per_unit", "name", "unlimited", "replaces", "algorithm"))
+    spec = r.mapping(doc, path, optional=("unit", "requests_per_unit", "name", "unlimited", "replaces", "algorithm", "charge"))
     replaces = tuple(
         r.string(r.mapping(item, f"{path}.replaces[{i}]", required=("name",))["name"], f"{path}.replaces[{i}].name")
         for i, item in enumerate(r.sequence(spec.get("replaces", []), f"{path}.replaces"))
     )
     own_name = r.string(spec["name"], f"{path}.name") if "name" in spec else ""
     if r.boolean(spec.get("unlimited", False), f"{path}.unlimited"):
-        if "unit" in spec or "requests_per_unit" in spec or "algorithm" in spec:
-            r.fail(path, "an unlimited rate_limit counts nothing: it has no unit, requests_per_unit or algorithm")
+        if "unit" in spec or "requests_per_unit" in spec or "algorithm" in spec or "charge" in spec:
+            r.fail(path, "an unlimited rate_limit counts nothing: it has no unit, requests_per_unit, algorithm or charge")
         return RlsRateLimit(limit=None, unit="unknown", requests_per_unit=0, name=own_name, replaces=replaces)
     for key in ("unit", "requests_per_unit"):
         if key not in spec:
@@ -150,6 +151,11 @@ def _rate_limit(doc: Any, path: str, name: str, shadow: bool, policy: FailurePol
     algorithm = spec.get("algorithm", "token_bucket")
     if algorithm not in ALGORITHMS:
         r.fail(f"{path}.algorithm", f"expected token_bucket or fixed_window, got {algorithm!r}")
+    # The gateway's key: `always` charges every hit, refused or not, into debt past zero, as
+    # envoyproxy/ratelimit counts them; what Envoy's charge after the response needs.
+    charge = spec.get("charge", "when_allowed")
+    if charge not in CHARGES:
+        r.fail(f"{path}.charge", f"expected when_allowed or always, got {charge!r}")
     quota = None
     if algorithm == "fixed_window":
         if unit not in FIXED_WINDOW_UNITS:
@@ -168,7 +174,9 @@ def _rate_limit(doc: Any, path: str, name: str, shadow: bool, policy: FailurePol
         shadow=shadow,
         quota=quota,
     )
-    return RlsRateLimit(limit=limit, unit=unit, requests_per_unit=count, name=own_name, replaces=replaces)
+    return RlsRateLimit(
+        limit=limit, unit=unit, requests_per_unit=count, name=own_name, replaces=replaces, charge_always=charge == "always"
+    )
 
 
 def _limit_name(domain: str, selectors: tuple[str, ...]) -> str:

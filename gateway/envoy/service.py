@@ -3,11 +3,14 @@ the gateway's limiter, and the gRPC server that serves it on `rls_listen`.
 
 Each descriptor of a request finds its rate limit (gateway.envoy.descriptors); the limits
 found, after `replaces`, go to the limiter in one check, so a request is all or nothing:
-when any descriptor is over its limit, none is charged. Failure policies, the denial cache
+when any descriptor is over its limit, none is charged, but those of a rule with
+`charge: always`, whose every hit is owed (`LimitCheck.owed`): charged refused or not, into
+debt past zero, which is what Envoy's charge after the response needs. Failure policies, the denial cache
 and the circuit breaker apply as they do to the proxy's limits. The cost of a descriptor is
 its own `hits_addend` when Envoy sets one, else the request's (0 there means 1, as Envoy
 and envoyproxy/ratelimit read it). A descriptor with no rate limit is answered OK and counts
-nothing, as is every descriptor of a domain the config does not have; an empty domain or
+nothing, as is every descriptor of a domain the config does not have (a limit override
+there too, as envoyproxy/ratelimit ignores it); an empty domain or
 descriptor list, or a cost or limit override no bucket can take, is INVALID_ARGUMENT. A
 fail-closed limit the store could not check answers OVER_LIMIT: Envoy would otherwise let
 an error through unless its own `failure_mode_deny` is set.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import AsyncIterator, Sequence
@@ -91,8 +95,8 @@ class RateLimitService:
         if not request.descriptors:
             raise InvalidRequest("rate limit descriptor list must not be empty")
         default_cost = request.hits_addend or 1
+        known = request.domain in self.rls.domains
         found: list[RlsRateLimit | None] = []
-        limits: list[Limit | None] = []
         costs: list[int] = []
         for descriptor in request.descriptors:
             entries = [(entry.key, entry.value) for entry in descriptor.entries]
@@ -101,28 +105,53 @@ class RateLimitService:
                 raise InvalidRequest(f"hits_addend {cost} is more than any bucket holds ({MAX_COUNT})")
             costs.append(cost)
             rate_limit: RlsRateLimit | None
-            if descriptor.HasField("limit"):
+            if not known:  # as envoyproxy/ratelimit: an unknown domain has no limits, overrides included
+                rate_limit = None
+            elif descriptor.HasField("limit"):
                 rate_limit = self._override(request.domain, descriptor.limit)
             else:
                 rate_limit = rate_limit_of(self.rls.domains, request.domain, entries)
             found.append(rate_limit)
+        # Unlimited before `replaces`: an unlimited descriptor answers so even when replaced.
+        unlimited = [rl is not None and rl.limit is None for rl in found]
         found = without_replaced(found)
+        limits: list[Limit | None] = []
         checks: list[LimitCheck] = []
         for rate_limit, descriptor, cost in zip(found, request.descriptors, costs):
             limit = rate_limit.limit if rate_limit is not None else None
             limits.append(limit)
             if limit is not None:
+                assert rate_limit is not None
                 entries = [(entry.key, entry.value) for entry in descriptor.entries]
-                checks.append(LimitCheck(limit=limit, identity=identity_of(entries), cost=cost))
+                owed = rate_limit.charge_always
+                checks.append(LimitCheck(limit=limit, identity=identity_of(entries), cost=cost, owed=owed))
         if any(c.limit.shadow for c in checks):
             decision = await self.limiter.check_with_shadow(checks)
         else:
             decision = await self.limiter.check(checks)
-        domain = request.domain if request.domain in self.rls.domains else UNKNOWN_DOMAIN
+        if not decision.allowed:
+            decision = await self._read_unasked(checks, decision)
+        domain = request.domain if known else UNKNOWN_DOMAIN
         outcomes = iter(decision.statuses)
         for limit in limits:
             self._counted.labels(domain=domain, decision=UNMATCHED if limit is None else next(outcomes).outcome).inc()
-        return self._response(found, limits, decision)
+        return self._response(found, unlimited, checks, decision)
+
+    async def _read_unasked(self, checks: Sequence[LimitCheck], decision: Decision) -> Decision:
+        """`decision` with what the store holds for the limits it was not asked about (a cached
+        denial of another limit answered, or an earlier Cluster slot refused): one read of
+        them (cost 0, charging nothing), so their descriptors say their true numbers."""
+        unasked = [i for i, s in enumerate(decision.statuses) if s.outcome == SKIPPED and s.remaining is None]
+        if not unasked:
+            return decision
+        read = await self.limiter.check([dataclasses.replace(checks[i], cost=0) for i in unasked])
+        statuses = list(decision.statuses)
+        for i, found in zip(unasked, read.statuses):
+            if found.remaining is not None and found.outcome in (ALLOW, DENY):
+                # A bucket found in debt refuses on its own (an owed charge ran it below zero).
+                outcome = DENY if found.outcome == DENY else SKIPPED
+                statuses[i] = dataclasses.replace(statuses[i], remaining=found.remaining, reset=found.reset, outcome=outcome)
+        return dataclasses.replace(decision, statuses=tuple(statuses))
 
     def _override(self, domain: str, override: Any) -> RlsRateLimit:
         unit = OVERRIDE_UNITS.get(override.unit)
@@ -136,24 +165,31 @@ class RateLimitService:
             limit = self._overrides[key] = override_limit(domain, override.requests_per_unit, unit)
         return RlsRateLimit(limit=limit, unit=unit, requests_per_unit=override.requests_per_unit)
 
-    def _response(self, found: Sequence[RlsRateLimit | None], limits: Sequence[Limit | None], decision: Decision) -> Any:
-        statuses = iter(decision.statuses)
+    def _response(
+        self, found: Sequence[RlsRateLimit | None], unlimited: Sequence[bool], checks: Sequence[LimitCheck], decision: Decision
+    ) -> Any:
+        """The answer, as envoyproxy/ratelimit words it: an unmatched or replaced descriptor is
+        OK with no `current_limit` and 0 remaining, an unlimited one OK with no `current_limit`
+        and 2^32 - 1 remaining; every limit checked says its numbers, refused or not."""
+        statuses = iter(zip(checks, decision.statuses))
         answered: list[LimitStatus] = []
         response = Response()
-        for rate_limit, limit in zip(found, limits):
+        for rate_limit, is_unlimited in zip(found, unlimited):
             status = response.statuses.add()
-            if rate_limit is None or limit is None:  # unmatched, replaced or unlimited
-                status.code = OK
-                if rate_limit is not None:
-                    status.current_limit.name = rate_limit.name
+            status.code = OK
+            if is_unlimited:
+                status.limit_remaining = MAX_REMAINING
+            if rate_limit is None or rate_limit.limit is None:  # unmatched, replaced or unlimited
                 continue
-            limit_status = next(statuses)
+            check, limit_status = next(statuses)
             answered.append(limit_status)
-            status.code = OVER_LIMIT if limit_status.outcome in REFUSED else OK
+            refused = _refused(limit_status, check.owed)
+            status.code = OVER_LIMIT if refused else OK
             status.current_limit.requests_per_unit = rate_limit.requests_per_unit
             status.current_limit.unit = UNITS[rate_limit.unit]
             status.current_limit.name = rate_limit.name
-            remaining, reset = _remaining_and_reset(self._applied(limit_status), limit_status)
+            over = refused or limit_status.outcome == SHADOW_LIMITED
+            remaining, reset = _remaining_and_reset(self._applied(limit_status), limit_status, over=over, owed=check.owed)
             status.limit_remaining = remaining
             status.duration_until_reset.seconds = reset
         refused = any(s.code == OVER_LIMIT for s in response.statuses)
@@ -172,17 +208,36 @@ class RateLimitService:
         return limit
 
 
-def _remaining_and_reset(limit: Limit, status: LimitStatus) -> tuple[int, int]:
-    """limit_remaining (whole tokens left, 0 when unknown) and duration_until_reset in whole
-    seconds: until the bucket is full again, or a quota's window ends; as the proxy's
-    X-RateLimit-Reset counts it."""
-    held = status.remaining or 0.0
-    remaining = min(MAX_REMAINING, math.floor(max(0.0, held)))
+def _refused(status: LimitStatus, owed: bool) -> bool:
+    """Whether this limit refuses: a denial, a fail-closed limit or a full in-process store, or
+    the local stand-in short of the cost (an owed charge's remaining is after it: below 0)."""
+    if status.outcome == FAIL_LOCAL and owed:
+        return status.remaining is not None and status.remaining < 0
+    return status.outcome in REFUSED or status.denied
+
+
+def _remaining_and_reset(limit: Limit, status: LimitStatus, *, over: bool, owed: bool) -> tuple[int, int]:
+    """limit_remaining and duration_until_reset, in whole tokens and seconds (0: unknown).
+
+    envoyproxy/ratelimit counts fixed windows, where both numbers come from one count: what
+    is left of the window, and the seconds until it ends, when a refused request passes and
+    the whole limit is back. A token bucket splits the two, so a limit that refuses (`over`,
+    a shadow limit too) says 0 left, as the reference does, and the seconds until this
+    request's cost could pass (an owed charge's: until a read passes, the bucket out of
+    debt); one that does not says the whole tokens it holds and the seconds until it is full
+    again, as the proxy's X-RateLimit-Reset. A quota (`fixed_window`) says its window's end."""
+    held = status.remaining
+    if held is None:
+        return 0, 0
+    remaining = 0 if over else min(MAX_REMAINING, math.floor(max(0.0, held)))
     if status.reset is not None:
         return remaining, math.ceil(status.reset)
-    if status.remaining is None or held >= limit.burst:
-        return remaining, 0
-    return remaining, math.ceil((limit.burst - held) / limit.rate.per_second)
+    rate = limit.rate.per_second
+    if over:
+        need = 0.0 if owed else status.cost
+        if need <= limit.burst:
+            return remaining, math.ceil(max(0.0, need - held) / rate)
+    return remaining, math.ceil(max(0.0, limit.burst - held) / rate)
 
 
 def _request_of(data: bytes) -> Any:
