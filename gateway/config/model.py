@@ -474,6 +474,7 @@ class RlsRateLimit:
     requests_per_unit: int
     name: str = ""  # `rate_limit.name`, what another rate_limit's `replaces` refers to
     replaces: tuple[str, ...] = ()
+    quota_mode: bool = False  # the descriptor's `quota_mode`
     charge_always: bool = False  # `charge: always`: every hit is charged, refused or not, into debt
 
 
