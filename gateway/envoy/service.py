@@ -123,7 +123,8 @@ class RateLimitService:
             limits.append(limit)
             if limit is not None:
                 entries = [(entry.key, entry.value) for entry in descriptor.entries]
-                owed = rate_limit is not None and rate_limit.charge_always
+                # A quota-mode descriptor's hits are owed too: the reference's token-quota pattern.
+                owed = rate_limit is not None and (rate_limit.charge_always or rate_limit.quota_mode)
                 checks.append(LimitCheck(limit=limit, identity=identity_of(entries), cost=cost, owed=owed))
                 if rate_limit is not None and rate_limit.quota_mode:
                     quotas.append(len(checks) - 1)
