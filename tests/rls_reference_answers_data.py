@@ -182,11 +182,12 @@ descriptors:
     "token_quota.yaml": """\
 # integration-test/scripts/token-quota.sh: examples/ratelimit/config/example.yaml's
 # service_2 (2 per minute), with the gateway's `charge: always`; `fast` is the same at 2
-# per second, so a test sees the debt repaid.
+# per second, so a test sees the debt repaid; `llm` the same per value.
 domain: tokenquota
 descriptors:
   - {key: service, value: service_2, rate_limit: {unit: minute, requests_per_unit: 2, charge: always}}
   - {key: service, value: fast, rate_limit: {unit: second, requests_per_unit: 2, charge: always}}
+  - {key: llm, rate_limit: {unit: minute, requests_per_unit: 2, charge: always}}
 """,
 }
 

@@ -98,17 +98,6 @@ def memory_gateway(tmp_path_factory):
         yield gw
 
 
-@pytest.fixture(scope="module")
-def example_gateway(redis, tmp_path_factory):
-    """examples/ratelimit/config/example.yaml and the quota-mode domain, as written."""
-    directory = written(tmp_path_factory.mktemp("example"), {"example.yaml": data.EXAMPLE, "quota.yaml": data.QUOTA_MODE})
-    why = refusal(directory)
-    if why is not None:  # keys of the reference's format the rls_config reader takes (quota_mode, metadata, 0)
-        pytest.skip(f"the reference's example config does not load here: {why}")
-    with serving(directory, redis.url) as gw:
-        yield gw
-
-
 async def stub_of(gateway):
     channel = grpc.aio.insecure_channel(gateway.rls_target)
     return channel, rls_pb2_grpc.RateLimitServiceStub(channel)

@@ -383,6 +383,8 @@ class Limiter:
         for c, left, reset in zip(checks, answer.remaining, answer.resets):
             if left is not None and left < c.cost:
                 denials.record(c, remaining=left, sent_at=sent_at, reset=reset)
+                if c.owed and c.cost and left < 0:  # the reads' cached denial, which this debt made longer
+                    denials.record(dataclasses.replace(c, cost=0), remaining=left, sent_at=sent_at, reset=reset)
         return answer
 
     def _on_store_error(self, checks: Sequence[LimitCheck], exc: StoreError) -> Decision:
