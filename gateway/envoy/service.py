@@ -98,7 +98,6 @@ class RateLimitService:
         known = request.domain in self.rls.domains
         found: list[RlsRateLimit | None] = []
         limits: list[Limit | None] = []
-        quotas: list[int] = []  # which checks are of quota_mode descriptors
         costs: list[int] = []
         for descriptor in request.descriptors:
             entries = [(entry.key, entry.value) for entry in descriptor.entries]
@@ -126,9 +125,10 @@ class RateLimitService:
                 # A quota-mode descriptor's hits are owed too: the reference's token-quota pattern.
                 owed = rate_limit is not None and (rate_limit.charge_always or rate_limit.quota_mode)
                 checks.append(LimitCheck(limit=limit, identity=identity_of(entries), cost=cost, owed=owed))
-                if rate_limit is not None and rate_limit.quota_mode:
-                    quotas.append(len(checks) - 1)
-        decision = await (self._check_quota_mode(checks, quotas) if quotas else self._check(checks))
+        if any(c.limit.shadow for c in checks):
+            decision = await self.limiter.check_with_shadow(checks)
+        else:
+            decision = await self.limiter.check(checks)
         if not decision.allowed:
             decision = await self._read_unasked(checks, decision)
         domain = request.domain if known else UNKNOWN_DOMAIN
@@ -136,32 +136,6 @@ class RateLimitService:
         for limit in limits:
             self._counted.labels(domain=domain, decision=UNMATCHED if limit is None else next(outcomes).outcome).inc()
         return self._response(found, unlimited, checks, decision)
-
-    async def _check(self, checks: Sequence[LimitCheck]) -> Decision:
-        if any(c.limit.shadow for c in checks):
-            return await self.limiter.check_with_shadow(checks)
-        return await self.limiter.check(checks)
-
-    async def _check_quota_mode(self, checks: Sequence[LimitCheck], quotas: Sequence[int]) -> Decision:
-        """envoyproxy/ratelimit's `quota_mode`: a quota-mode descriptor over its limit refuses the
-        request only when every quota-mode descriptor of it is over its own. Each is checked and
-        charged on its own, as a shadow limit is, beside the others' all-or-nothing check."""
-        apart = set(quotas)
-        together = [c for i, c in enumerate(checks) if i not in apart]
-        main, *each = await asyncio.gather(self._check(together), *(self._check((checks[i],)) for i in quotas))
-        found = iter(main.statuses)
-        alone = iter(d.statuses[0] for d in each)
-        statuses = tuple(next(alone) if i in apart else next(found) for i in range(len(checks)))
-        all_over = not any(d.allowed for d in each)
-        refusing = [main] if not main.allowed else []
-        if all_over:
-            refusing += each
-        return Decision(
-            allowed=not refusing,
-            statuses=statuses,
-            retry_after=max((d.retry_after for d in refusing), default=0.0),
-            store_failed=any(d.store_failed for d in refusing),
-        )
 
     async def _read_unasked(self, checks: Sequence[LimitCheck], decision: Decision) -> Decision:
         """`decision` with what the store holds for the limits it was not asked about (a cached
@@ -218,8 +192,8 @@ class RateLimitService:
             remaining, reset = _remaining_and_reset(self._applied(limit_status), limit_status, over=over, owed=check.owed)
             status.limit_remaining = remaining
             status.duration_until_reset.seconds = reset
-        # Not any descriptor's code: a quota-mode one over its limit may leave the request OK.
-        response.overall_code = OK if decision.allowed else OVER_LIMIT
+        refused = any(s.code == OVER_LIMIT for s in response.statuses)
+        response.overall_code = OVER_LIMIT if refused else OK
         if answered:
             pairs = [(s.limit, self._applied(s)) for s in answered]
             for name, value in RateLimitFields.of(pairs, self.local_divisor).headers(answered).items():
