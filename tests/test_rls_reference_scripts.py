@@ -180,15 +180,22 @@ async def test_script_quota(example):
     assert [(await example("rl", *both)).overall_code for _ in range(3)] == [OK, OK, OVER]
 
 
-async def test_script_token_quota_on_the_reference_example(example):
+async def test_script_token_quota_on_the_reference_example(example_gateway, tmp_path):
     """token-quota.sh on example.yaml as written: service_2 (2/min) is quota_mode, whose
-    hits are owed as with `charge: always`, so only the fourth request is refused."""
-    service_2 = ("service", "service_2")
-    reads = []
-    for _ in range(4):
-        reads.append((await example("rl", d(service_2, hits=0))).overall_code)
-        if reads[-1] == OK:
-            await example("rl", d(service_2, hits=1))
+    hits are owed as with `charge: always`, so only the fourth request is refused. On a
+    gateway of its own (the in-process store): quota.sh spent service_2's bucket, where the
+    reference's script waits out the minute."""
+    directory = written(tmp_path, {"example.yaml": data.EXAMPLE})
+    with serving(directory, None) as fresh:
+        channel, stub = await stub_of(fresh)
+        async with channel:
+            ask = Asker(stub)
+            service_2 = ("service", "service_2")
+            reads = []
+            for _ in range(4):
+                reads.append((await ask("rl", d(service_2, hits=0))).overall_code)
+                if reads[-1] == OK:
+                    await ask("rl", d(service_2, hits=1))
     assert reads == [OK, OK, OK, OVER]
 
 
