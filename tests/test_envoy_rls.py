@@ -224,7 +224,8 @@ async def test_nested_descriptors_a_prefix_value_and_a_fixed_window(stub):
 async def test_unlimited_and_shadow_mode_never_refuse(stub):
     for _ in range(5):
         response = await stub.ShouldRateLimit(request("messaging", descriptor(("bay", "x"))))
-        assert response.overall_code == OK and not response.statuses[0].current_limit.requests_per_unit
+        assert response.overall_code == OK and not response.statuses[0].HasField("current_limit")
+        assert response.statuses[0].limit_remaining == 2**32 - 1  # as envoyproxy/ratelimit answers it
     loud = [await stub.ShouldRateLimit(request("messaging", descriptor(("tenant", "loud")))) for _ in range(3)]
     assert [r.overall_code for r in loud] == [OK, OK, OK]
     assert [r.statuses[0].limit_remaining for r in loud] == [0, 0, 0]
@@ -259,6 +260,30 @@ async def test_all_or_nothing_across_two_descriptors(stub):
     assert refused.overall_code == OVER_LIMIT and codes(refused) == [OK, OVER_LIMIT]
     # a was not charged by the refused request: 8 left, not 7.
     assert (await stub.ShouldRateLimit(request("cost", a))).statuses[0].limit_remaining == 7
+
+
+async def test_the_ok_descriptor_of_a_refused_request_says_what_its_bucket_holds(stub):
+    """Refused again and again (the denial cache answers after the first), the descriptor
+    that was not charged still says its 10 and when its bucket is full, never 0 and 0."""
+    a, b = descriptor(("a", "true-numbers")), descriptor(("b", "true-numbers"))
+    await stub.ShouldRateLimit(request("cost", b, hits=2))  # b: 2 an hour, spent
+    for _ in range(5):
+        refused = await stub.ShouldRateLimit(request("cost", a, b))
+        assert codes(refused) == [OK, OVER_LIMIT]
+        assert [s.limit_remaining for s in refused.statuses] == [10, 0]
+        assert refused.statuses[0].duration_until_reset.seconds == 0  # a full bucket
+        assert refused.statuses[1].duration_until_reset.seconds == 1800  # b's 1 token at 2 an hour
+
+
+async def test_a_limit_override_in_an_unknown_domain_is_ignored(stub):
+    """As envoyproxy/ratelimit: an unknown domain has no limits, its descriptors' overrides neither."""
+    override = descriptor(("a", "1"))
+    override.limit.requests_per_unit, override.limit.unit = 3, rls_pb2.RateLimitResponse.RateLimit.Unit.DAY
+    for _ in range(5):
+        response = await stub.ShouldRateLimit(request("no-such-domain", override))
+        assert response.overall_code == OK and not response.statuses[0].HasField("current_limit")
+    known = await stub.ShouldRateLimit(request("cost", override))
+    assert known.statuses[0].current_limit.requests_per_unit == 3 and known.statuses[0].limit_remaining == 2
 
 
 async def test_unknown_domain_and_unmatched_descriptors_are_ok(stub):
