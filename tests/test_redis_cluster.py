@@ -366,3 +366,38 @@ async def test_checks_sent_together_go_as_one_script_call_per_slot_on_every_mast
     calls = [script_calls(master) for master in masters]
     assert sum(calls) == len({slot_of("batched", identity) for identity in identities}), calls
     assert all(calls), calls  # the slots of twelve clients span the three masters
+
+
+@pytest.mark.parametrize("owed_first", [True, False], ids=["owed-slot-first", "owed-slot-last"])
+async def test_an_owed_charge_in_another_slot_is_taken_and_never_refunded(cluster, owed_first):
+    """A charge owed whatever the answer (LimitCheck.owed) beside a limit that refuses, their
+    buckets in two slots: in either slot order the owed one is charged (2 held, 1 then 5
+    owed: -4), is not given back when the later slot refuses, and is still sent when the
+    earlier slot refused; the refusing bucket is not charged."""
+    plain, owing = f"plain_{owed_first}", f"owing_{owed_first}"
+    limits = f"  {plain}: {{rate: 1/hour, burst: 1, key: header:X-User}}\n  {owing}: {{rate: 1/hour, burst: 2, key: header:X-API-Key}}"
+    config = config_from_yaml(cluster_yaml(cluster.url, "http://127.0.0.1:1", limits, f"[{plain}, {owing}]"))
+    assert config.store is not None
+    by_name = {limit.name: limit for limit in config.limits}
+    # identities_in_slot_order keys its first limit by X-User and its second by X-API-Key.
+    user, key = identities_in_slot_order(owing, plain, a_first=owed_first)
+    owing_id, plain_id = f"header:x-user={user}", f"header:x-api-key={key}"
+    store = RedisStore(config.store)
+    await store.start()
+    try:
+        assert (await store.check([LimitCheck(by_name[plain], plain_id, 1)])).allowed  # plain: now empty
+        # One it can pay: charged in its slot, the plain slot refuses, and it is not refunded.
+        paid = await store.check([LimitCheck(by_name[plain], plain_id, 1), LimitCheck(by_name[owing], owing_id, 1, owed=True)])
+        assert not paid.allowed and paid.remaining[1] == pytest.approx(1, abs=0.01)
+        decision = await store.check([LimitCheck(by_name[plain], plain_id, 1), LimitCheck(by_name[owing], owing_id, 5, owed=True)])
+    finally:
+        await store.close()
+    assert not decision.allowed
+    # The owed charge could not be paid, so its slot refused: when it came first the plain
+    # limit's slot was not asked (None).
+    plain_left = None if owed_first else pytest.approx(0, abs=0.01)
+    assert decision.remaining == (plain_left, pytest.approx(-4, abs=0.01))
+    client = cluster.client()
+    assert float(client.hget(bucket(owing, owing_id), "tokens")) == pytest.approx(-4, abs=0.01)
+    assert float(client.hget(bucket(plain, plain_id), "tokens")) == pytest.approx(0, abs=0.01)
+    assert client.pttl(bucket(owing, owing_id)) > 5.9 * 3600 * 1000  # from -4 back to 2 at 1 an hour
