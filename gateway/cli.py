@@ -274,6 +274,8 @@ def _rls_rule(rate_limit: RlsRateLimit) -> str:
     rule += f", on_store_error {limit.on_store_error.value}"
     if limit.shadow:
         rule += ", shadow mode"
+    if rate_limit.charge_always:
+        rule += ", charge always"
     if rate_limit.name:
         rule += f", name {rate_limit.name}"
     if rate_limit.replaces:

@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from tests.processes import GatewayProcess, RedisServer, eventually, free_port
+from tests.processes import GatewayProcess, RedisServer, eventually, free_port, run_cli
 from tests.scrape import scrape, value
 
 grpc = pytest.importorskip("grpc")  # the test extra has it; skipped only where it is truly missing
@@ -409,3 +409,20 @@ async def test_a_reload_reads_the_files_again(tmp_path):
                 return response.statuses[0].current_limit.requests_per_unit == 7
 
             await eventually(reloaded, what="the reloaded rls_config")
+
+
+def test_charge_always_is_taken_and_shown_by_gateway_check_and_a_wrong_value_is_refused(tmp_path):
+    rls_dir = tmp_path / "rls"
+    rls_dir.mkdir()
+    (rls_dir / "llm.yaml").write_text(
+        "domain: llm\ndescriptors: [{key: k, rate_limit: {unit: minute, requests_per_unit: 10, charge: always}}]\n"
+    )
+    config = tmp_path / "gateway.yaml"
+    config.write_text(f"rls_listen: 127.0.0.1:0\nrls_config: {rls_dir}\nroutes: [{{match: {{path: /}}, upstream: 'http://a'}}]\n")
+    result = run_cli("check", "-c", str(config))
+    assert result.returncode == 0, result.stderr
+    assert "    k: 10/minute, token bucket, on_store_error open, charge always" in result.stdout.splitlines()
+    message = _error(tmp_path, "domain: d\ndescriptors: [{key: k, rate_limit: {unit: minute, requests_per_unit: 5, charge: later}}]\n")
+    assert "bad.yaml: descriptors[0].rate_limit.charge: expected when_allowed or always, got 'later'" in message
+    message = _error(tmp_path, "domain: d\ndescriptors: [{key: k, rate_limit: {unlimited: true, charge: always}}]\n")
+    assert "bad.yaml: descriptors[0].rate_limit: an unlimited rate_limit counts nothing" in message
