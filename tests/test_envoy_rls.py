@@ -275,6 +275,16 @@ async def test_the_ok_descriptor_of_a_refused_request_says_what_its_bucket_holds
         assert refused.statuses[1].duration_until_reset.seconds == 1800  # b's 1 token at 2 an hour
 
 
+async def test_a_bucket_named_twice_in_a_request_is_charged_for_both(stub):
+    """As envoyproxy/ratelimit counts both hits: b (2 an hour) named twice takes 2, three
+    times is over (and, all or nothing, charges nothing)."""
+    b = descriptor(("b", "twice"))
+    assert codes(await stub.ShouldRateLimit(request("cost", b, b, b))) == [OVER_LIMIT] * 3
+    both = await stub.ShouldRateLimit(request("cost", b, b))
+    assert codes(both) == [OK, OK] and [s.limit_remaining for s in both.statuses] == [0, 0]
+    assert codes(await stub.ShouldRateLimit(request("cost", b))) == [OVER_LIMIT]
+
+
 async def test_a_limit_override_in_an_unknown_domain_is_ignored(stub):
     """As envoyproxy/ratelimit: an unknown domain has no limits, its descriptors' overrides neither."""
     override = descriptor(("a", "1"))

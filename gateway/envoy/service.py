@@ -97,7 +97,6 @@ class RateLimitService:
         default_cost = request.hits_addend or 1
         known = request.domain in self.rls.domains
         found: list[RlsRateLimit | None] = []
-        limits: list[Limit | None] = []
         costs: list[int] = []
         for descriptor in request.descriptors:
             entries = [(entry.key, entry.value) for entry in descriptor.entries]
@@ -117,14 +116,17 @@ class RateLimitService:
         unlimited = [rl is not None and rl.limit is None for rl in found]
         found = without_replaced(found)
         checks: list[LimitCheck] = []
+        slots: list[int | None] = []  # per descriptor: its check, None when it has no limit
+        seen: dict[tuple[int, str], int] = {}  # (limit, identity) -> its check
         for rate_limit, descriptor, cost in zip(found, request.descriptors, costs):
             limit = rate_limit.limit if rate_limit is not None else None
-            limits.append(limit)
             if limit is not None:
                 entries = [(entry.key, entry.value) for entry in descriptor.entries]
                 # A quota-mode descriptor's hits are owed too: the reference's token-quota pattern.
                 owed = rate_limit is not None and (rate_limit.charge_always or rate_limit.quota_mode)
-                checks.append(LimitCheck(limit=limit, identity=identity_of(entries), cost=cost, owed=owed))
+                slots.append(_add(checks, seen, LimitCheck(limit=limit, identity=identity_of(entries), cost=cost, owed=owed)))
+            else:
+                slots.append(None)
         if any(c.limit.shadow for c in checks):
             decision = await self.limiter.check_with_shadow(checks)
         else:
@@ -132,10 +134,9 @@ class RateLimitService:
         if not decision.allowed:
             decision = await self._read_unasked(checks, decision)
         domain = request.domain if known else UNKNOWN_DOMAIN
-        outcomes = iter(decision.statuses)
-        for limit in limits:
-            self._counted.labels(domain=domain, decision=UNMATCHED if limit is None else next(outcomes).outcome).inc()
-        return self._response(found, unlimited, checks, decision)
+        for slot in slots:
+            self._counted.labels(domain=domain, decision=UNMATCHED if slot is None else decision.statuses[slot].outcome).inc()
+        return self._response(found, unlimited, slots, checks, decision)
 
     async def _read_unasked(self, checks: Sequence[LimitCheck], decision: Decision) -> Decision:
         """`decision` with what the store holds for the limits it was not asked about (a cached
@@ -166,22 +167,26 @@ class RateLimitService:
         return RlsRateLimit(limit=limit, unit=unit, requests_per_unit=override.requests_per_unit)
 
     def _response(
-        self, found: Sequence[RlsRateLimit | None], unlimited: Sequence[bool], checks: Sequence[LimitCheck], decision: Decision
+        self,
+        found: Sequence[RlsRateLimit | None],
+        unlimited: Sequence[bool],
+        slots: Sequence[int | None],
+        checks: Sequence[LimitCheck],
+        decision: Decision,
     ) -> Any:
         """The answer, as envoyproxy/ratelimit words it: an unmatched or replaced descriptor is
         OK with no `current_limit` and 0 remaining, an unlimited one OK with no `current_limit`
         and 2^32 - 1 remaining; every limit checked says its numbers, refused or not."""
-        statuses = iter(zip(checks, decision.statuses))
         answered: list[LimitStatus] = []
         response = Response()
-        for rate_limit, is_unlimited in zip(found, unlimited):
+        for rate_limit, is_unlimited, slot in zip(found, unlimited, slots):
             status = response.statuses.add()
             status.code = OK
             if is_unlimited:
                 status.limit_remaining = MAX_REMAINING
-            if rate_limit is None or rate_limit.limit is None:  # unmatched, replaced or unlimited
+            if rate_limit is None or slot is None:  # unmatched, replaced or unlimited
                 continue
-            check, limit_status = next(statuses)
+            check, limit_status = checks[slot], decision.statuses[slot]
             answered.append(limit_status)
             refused = _refused(limit_status, check.owed)
             status.code = OVER_LIMIT if refused else OK
@@ -206,6 +211,22 @@ class RateLimitService:
         if limit.on_store_error is FailurePolicy.LOCAL:
             return local_share(limit, self.local_divisor, status.cost)
         return limit
+
+
+def _add(checks: list[LimitCheck], seen: dict[tuple[int, str], int], check: LimitCheck) -> int:
+    """Where `check` is in `checks`: a descriptor whose bucket an earlier one of the request
+    names adds its cost to that check, as envoyproxy/ratelimit counts both hits."""
+    key = (id(check.limit), check.identity)
+    i = seen.get(key)
+    if i is None:
+        seen[key] = len(checks)
+        checks.append(check)
+        return len(checks) - 1
+    cost = checks[i].cost + check.cost
+    if cost > MAX_COUNT:
+        raise InvalidRequest(f"hits_addend {cost} is more than any bucket holds ({MAX_COUNT})")
+    checks[i] = dataclasses.replace(checks[i], cost=cost)
+    return i
 
 
 def _refused(status: LimitStatus, owed: bool) -> bool:
