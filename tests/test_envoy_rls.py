@@ -435,4 +435,4 @@ def test_charge_always_is_taken_and_shown_by_gateway_check_and_a_wrong_value_is_
     message = _error(tmp_path, "domain: d\ndescriptors: [{key: k, rate_limit: {unit: minute, requests_per_unit: 5, charge: later}}]\n")
     assert "bad.yaml: descriptors[0].rate_limit.charge: expected when_allowed or always, got 'later'" in message
     message = _error(tmp_path, "domain: d\ndescriptors: [{key: k, rate_limit: {unlimited: true, charge: always}}]\n")
-    assert "bad.yaml: descriptors[0].rate_limit: an unlimited rate_limit counts nothing" in message
+    assert "bad.yaml: descriptors[0].rate_limit" in message and "an unlimited rate_limit counts nothing" in message
