@@ -9,8 +9,9 @@ differently: the script refills `elapsed / 1000 * rate`, the model
 
 - **Balances** (tokens found, and tokens remaining) agree to within
   `TOLERANCE × max(1, capacity)`: 1e-9 absolute for a capacity up to 1, 1e-9
-  relative to the capacity above it. Tokens never leave [0, capacity], each step
-  rounds by an ulp or two of the capacity (2.2e-16 × capacity), and the bound
+  relative to the capacity above it. Tokens stay between the debt (a shaping limit's,
+  or what owed charges took past zero) and the capacity, each step rounds by an ulp or
+  two of the largest of them (2.2e-16 × capacity for a debt within it), and the bound
   leaves millions of ulps for a long run. A lost refill, a double charge or a
   unit slip is at least a millionth of a token at the rates covered.
 - **Decisions** are identical, and each carrier decides by its own balance

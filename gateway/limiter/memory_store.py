@@ -139,19 +139,18 @@ class MemoryStore:
         outcome = bucket.check(
             [h[0] if h else None for h in held], specs, now, quota_now=self._wall_clock() * 1000, quota_unit=1000
         )
-        # What is charged: every limit when allowed, else only the owed ones.
-        charged = [bool(spec.cost) and (outcome.allowed or spec.owed) for spec in specs]
-        new = {i for i, h, charge in zip(ids, held, charged) if h is None and charge}
+        allowed = outcome.allowed  # charged: every limit when allowed, else only the owed ones
+        new = {i for i, h, spec in zip(ids, held, specs) if h is None and spec.cost and (allowed or spec.owed)}
         if new:
             self._make_room(len(new), now, keep=len(set(ids)) - len(new))
-        for bucket_id, was_held, state, spec, reset, charge in zip(ids, held, outcome.states, specs, outcome.resets, charged):
+        for bucket_id, was_held, state, spec, reset in zip(ids, held, outcome.states, specs, outcome.resets):
             # When it is full again (a quota: its window ends), by its limit as checked now.
             full_at = now + (bucket.seconds_until_full(state, spec, now) if reset is None else reset)  # type: ignore[arg-type]
-            if charge:
+            if spec.cost and (allowed or spec.owed):
                 if bucket_id not in self._buckets:  # new, or forgotten as full while room was made
                     self._push_expiry(full_at, bucket_id)
                 self._buckets[bucket_id] = (state, full_at)
-            elif not outcome.allowed and was_held is not None and full_at > was_held[1]:
+            elif not allowed and was_held is not None and full_at > was_held[1]:
                 # Nothing is charged, but a bucket is kept until it is full by its limit now:
                 # a reload that lowered the rate (or raised the burst or lengthened the window)
                 # makes that later than its last charge said, and dropped early it would come
