@@ -61,7 +61,7 @@ class Outcome:
     allowed: bool
     # per limit: after the charge if allowed (or owed), else as found (a quota: its limit less its count)
     remaining: tuple[float, ...]
-    retry_after: float  # seconds until every limit could pay; 0 when allowed, inf if never
+    retry_after: float  # seconds until every limit could pay (an owed one: a read); 0 when allowed, inf if never
     states: tuple[BucketState | quota.QuotaState, ...]  # the states to store back (when denied: only owed ones charged)
     wait: float = 0.0  # when allowed: how long the request waits before it goes on (shaping)
     resets: tuple[float | None, ...] = ()  # per limit: a quota's time until its window ends, None for a bucket

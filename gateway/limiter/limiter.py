@@ -29,7 +29,8 @@ one store timeout at most, not one per call.
 That refund goes in the background, and only while the circuit breaker is
 closed: a denial never waits for it, and a refund the store fails or the breaker
 holds back leaves those tokens charged (under-admission until the bucket refills,
-never over-admission).
+never over-admission). A check that owes its charge (`LimitCheck.owed`) goes to the store
+past the denial cache and the client waves, which would answer it without charging.
 """
 
 from __future__ import annotations
