@@ -310,3 +310,24 @@ descriptors:
   - {key: quota1, value: limit, quota_mode: true, rate_limit: {unit: minute, requests_per_unit: 5}}
   - {key: quota2, value: limit, quota_mode: true, rate_limit: {unit: minute, requests_per_unit: 3}}
 """
+
+# test/integration/runtime/current/ratelimit/config/share_threshold.yaml, verbatim: what
+# TestShareThreshold serves.
+SHARE_THRESHOLD = """\
+domain: share-threshold-test
+descriptors:
+  # Test case 1: share_threshold: true - files/* should share threshold
+  - key: files
+    value: files/*
+    share_threshold: true
+    rate_limit:
+      unit: hour
+      requests_per_unit: 10
+
+  - key: files_no_share
+    value: files_no_share/*
+    rate_limit:
+      unit: hour
+      requests_per_unit: 10
+"""
+

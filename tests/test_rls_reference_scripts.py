@@ -21,7 +21,7 @@ import pytest
 
 from tests import rls_reference_answers_data as data
 from tests.processes import RedisServer, eventually
-from tests.test_rls_reference_answers import OK, OVER, Asker, d, refusal, serving, statuses, stub_of, written
+from tests.test_rls_reference_answers import HOUR, OK, OVER, Asker, d, refusal, serving, statuses, stub_of, written
 
 # examples/envoy/proxy.yaml: each route's rate-limit actions, as the headers they read (in order).
 ROUTES = {
@@ -61,8 +61,9 @@ async def store_rls(token_quota_gateway):
 
 @pytest.fixture(scope="module")
 def example_gateway(redis, tmp_path_factory):
-    """examples/ratelimit/config/example.yaml and the quota-mode domain, as written."""
-    directory = written(tmp_path_factory.mktemp("example"), {"example.yaml": data.EXAMPLE, "quota.yaml": data.QUOTA_MODE})
+    """examples/ratelimit/config/example.yaml, the quota-mode domain and share_threshold.yaml, as written."""
+    files = {"example.yaml": data.EXAMPLE, "quota.yaml": data.QUOTA_MODE, "share_threshold.yaml": data.SHARE_THRESHOLD}
+    directory = written(tmp_path_factory.mktemp("example"), files)
     why = refusal(directory)
     if why is not None:  # keys of the reference's format the rls_config reader takes (quota_mode, metadata, 0)
         pytest.skip(f"the reference's example config does not load here: {why}")
@@ -226,3 +227,19 @@ async def test_service_quota_mode_refuses_only_when_every_quota_descriptor_is_ov
     await example("quota-domain", quota2, hits=3)
     every = await example("quota-domain", quota1, quota2)
     assert every.overall_code == OVER and [s[0] for s in statuses(every)] == [OVER, OVER]
+
+
+# --- test/integration/integration_test.go: TestShareThreshold ---------------------------------
+
+
+async def test_integration_share_threshold(example):
+    """Ten requests of files/a.pdf spend files/*'s one shared bucket (10 an hour), so
+    files/b.csv is over; values of files_no_share/* have a bucket each, 9 left after one."""
+    for _ in range(10):
+        await example("share-threshold-test", d(("files", "files/a.pdf")))
+    shared = await example("share-threshold-test", d(("files", "files/b.csv")))
+    assert shared.overall_code == OVER and [s[:4] for s in statuses(shared)] == [(OVER, 10, HOUR, 0)]
+    for n in range(10):
+        apart = await example("share-threshold-test", d(("files_no_share", f"files_no_share/{n}")))
+        assert apart.overall_code == OK and statuses(apart) == [(OK, 10, HOUR, 9)]
+
