@@ -16,24 +16,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import shutil
 import socket
-import subprocess
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from tests.processes import GatewayProcess, RedisServer, free_port, run_cli, wait_until
+from tests.beside_proxies import running_nginx
+from tests.processes import GatewayProcess, RedisServer, free_port, run_cli
 from tests.scrape import scrape, settled_decisions, value
 from tests.upstream import RecordingUpstream, serving
 
 pytestmark = pytest.mark.timing  # measures exactness under load: one such module runs at a time
 
-ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "beside-proxies.md"
 BURST = 200
 WRK_SECONDS = 3
 WRK_CONNECTIONS = 25  # per nginx: 50 in all
@@ -58,63 +55,6 @@ def gateway_config(url: str, *, burst: int = BURST, policy: str = "open", timeou
     port = free_port()
     store_timeout = f", timeout: {timeout}" if timeout else ""
     return CONFIG.format(decision_port=port, url=url, burst=burst, policy=policy, timeout=store_timeout), port
-
-
-def nginx_snippet() -> str:
-    """The docs page's one nginx block, as a reader copies it."""
-    blocks = re.findall(r"```nginx\n(.*?)```", DOC.read_text(encoding="utf-8"), re.DOTALL)
-    assert len(blocks) == 1
-    return blocks[0]
-
-
-@contextlib.contextmanager
-def running_nginx(*, decision_port: int, upstream_port: int) -> Iterator[str]:
-    """nginx with the docs' snippet on a free port, the gateway's decision listener and
-    the upstream put where the snippet names 8081 and 3000; yields its URL."""
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-    port = free_port()
-    snippet = (
-        nginx_snippet()
-        .replace("127.0.0.1:8081", f"127.0.0.1:{decision_port}")
-        .replace("127.0.0.1:3000", f"127.0.0.1:{upstream_port}")
-        .replace("listen 127.0.0.1:8080", f"listen 127.0.0.1:{port}")
-    )
-    with tempfile.TemporaryDirectory(prefix="nginx-test-") as directory:
-        root = Path(directory)
-        for temp in ("body", "proxy"):
-            (root / temp).mkdir()
-        (root / "nginx.conf").write_text(
-            f"""worker_processes 1;
-pid {root}/nginx.pid;
-error_log {root}/error.log warn;
-events {{ worker_connections 1024; }}
-http {{
-    access_log off;
-    client_body_temp_path {root}/body;
-    proxy_temp_path {root}/proxy;
-{snippet}
-}}
-""",
-            encoding="utf-8",
-        )
-        process = subprocess.Popen(
-            [nginx, "-p", str(root), "-e", str(root / "error.log"), "-c", "nginx.conf", "-g", "daemon off;"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        try:
-            wait_until(lambda: _answers(port) or process.poll() is not None, what="nginx to listen")
-            if process.poll() is not None:
-                raise AssertionError("nginx did not start: " + (root / "error.log").read_text())
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            process.terminate()
-            process.wait(10)
-
-
-def _answers(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def wrk_counts(output: str) -> tuple[int, int]:
