@@ -37,6 +37,7 @@ from tests.beside_proxies import (
     DECISIONS,
     PROXY,
     PUBLIC,
+    Caddy,
     Nginx,
     doc_snippet,
     free_ports,
@@ -59,7 +60,7 @@ admin_listen: 127.0.0.1:0
 decision_listen: 127.0.0.1:{decision_port}
 trusted_proxies: [{trusted}]
 limits:
-  per_key: {{rate: 1/hour, burst: {burst}, key: "header:X-API-Key"}}
+  per_key: {{rate: 1/hour, burst: {burst}, key: "{key}"}}
 routes:
   - match: {{path: /api}}
     upstream: http://127.0.0.1:9
@@ -67,8 +68,8 @@ routes:
 """
 
 
-def limited(decision_port: int, *, trusted: str = "127.0.0.1/32") -> GatewayProcess:
-    return GatewayProcess(LIMITED.format(decision_port=decision_port, trusted=trusted, burst=BURST))
+def limited(decision_port: int, *, trusted: str = "127.0.0.1/32", key: str = "header:X-API-Key") -> GatewayProcess:
+    return GatewayProcess(LIMITED.format(decision_port=decision_port, trusted=trusted, burst=BURST, key=key))
 
 
 @contextlib.asynccontextmanager
@@ -151,6 +152,37 @@ async def test_fail_open_while_the_gateway_is_stopped(proxy: str) -> None:
     assert_limited(back)  # a fresh in-process store: the whole burst again
 
 
+@pytest.mark.parametrize("proxy", sorted(PROXIES))
+async def test_a_client_cannot_name_its_own_address(proxy: str) -> None:
+    """Limited by `ip`: a client that sends X-Forwarded-For of its own is still known by the
+    address the proxy saw (nginx appends it, Caddy replaces the header). The client is
+    127.0.0.2: loopback, but not a trusted proxy as 127.0.0.1 is."""
+    decision_port = free_port()
+    async with application() as (upstream, app_port):
+        with limited(decision_port, key="ip"), PROXIES[proxy](decision_port=decision_port, upstream_port=app_port) as url:
+            connector = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
+            async with aiohttp.ClientSession(connector=connector) as client:
+                answers = [
+                    await send(client, url + "/api/items", headers={"X-Forwarded-For": f"203.0.113.{n}"})
+                    for n in range(BURST + 1)
+                ]
+    assert_limited(answers)
+    assert upstream.requests == BURST
+
+
+@pytest.mark.parametrize("choice", CHOICES)
+async def test_caddy_leaves_the_applications_own_errors_alone(choice: str) -> None:
+    """The gateway allows, the application is down: Caddy's own empty 502, neither sent to
+    the application again nor told as the rate limiter's failure."""
+    decision_port, app_port = free_port(), free_port()  # nothing listens on app_port
+    with limited(decision_port), running_caddy(decision_port=decision_port, upstream_port=app_port, choice=choice) as url:
+        async with aiohttp.ClientSession() as client:
+            status, headers, body = await send(client, url + "/api/items")
+    assert status == 502
+    assert body == b""
+    assert "Retry-After" not in headers
+
+
 async def test_nginx_logs_each_request_it_let_through_unchecked() -> None:
     ports = {PROXY: free_port(), DECISIONS: free_port()}
     async with application() as (upstream, app_port):
@@ -231,14 +263,16 @@ def test_the_pages_yaml_passes_gateway_check() -> None:
     assert result.returncode == 0, result.stderr
 
 
-async def test_the_pages_yaml_starts_beside_the_pages_nginx() -> None:
+@pytest.mark.parametrize("proxy", ["nginx", "caddy"])
+async def test_the_pages_yaml_starts_beside_the_pages_proxy(proxy: str) -> None:
     ports = free_ports()
     with RedisServer(dedicated=True) as redis_server:
         async with application() as (upstream, app_port):
             ports[APPLICATION] = app_port
-            with GatewayProcess(gateway_yaml(ports, redis_server.url)) as gateway, Nginx(
-                on_ports(nginx_snippet(), ports), ports[PROXY]
-            ) as nginx:
+            server = Nginx(on_ports(nginx_snippet(), ports), ports[PROXY]) if proxy == "nginx" else Caddy(
+                on_ports(doc_snippet("caddy"), ports), ports[PROXY]
+            )
+            with GatewayProcess(gateway_yaml(ports, redis_server.url)) as gateway, server:
                 async with aiohttp.ClientSession() as client:
                     async with client.get(gateway.admin_url + "/healthz") as health:
                         healthy = health.status
@@ -246,7 +280,7 @@ async def test_the_pages_yaml_starts_beside_the_pages_nginx() -> None:
                     # 0.6 s), so the first denial may come after a few more than the burst.
                     answers = []
                     while not answers or answers[-1][0] == 200:
-                        answers.append(await send(client, nginx.url + "/api/items"))
+                        answers.append(await send(client, server.url + "/api/items"))
                         assert len(answers) <= 1000, "no request was ever denied"
     assert gateway.url == f"http://127.0.0.1:{ports[PUBLIC]}"
     assert gateway.admin_url == f"http://127.0.0.1:{ports[ADMIN]}"
