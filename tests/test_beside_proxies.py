@@ -100,7 +100,7 @@ PROXIES: dict[str, Callable[..., contextlib.AbstractContextManager[str]]] = {
 def assert_limited(answers: list[tuple[int, CIMultiDict[str], bytes]]) -> None:
     """Exactly the burst passed, then the gateway's 429 reached the client with its fields."""
     assert [status for status, _, _ in answers] == [200] * BURST + [429]
-    status, headers, body = answers[-1]
+    _, headers, body = answers[-1]
     assert int(headers["Retry-After"]) >= 1
     assert "RateLimit" in headers and "RateLimit-Policy" in headers
     assert headers["Content-Type"].startswith("application/problem+json")
