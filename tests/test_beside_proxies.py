@@ -59,8 +59,9 @@ listen: 127.0.0.1:0
 admin_listen: 127.0.0.1:0
 decision_listen: 127.0.0.1:{decision_port}
 trusted_proxies: [{trusted}]
+{store}
 limits:
-  per_key: {{rate: 1/hour, burst: {burst}, key: "{key}"}}
+  per_key: {{rate: 1/hour, burst: {burst}, key: "{key}", on_store_error: {policy}}}
 routes:
   - match: {{path: /api}}
     upstream: http://127.0.0.1:9
@@ -68,8 +69,13 @@ routes:
 """
 
 
-def limited(decision_port: int, *, trusted: str = "127.0.0.1/32", key: str = "header:X-API-Key") -> GatewayProcess:
-    return GatewayProcess(LIMITED.format(decision_port=decision_port, trusted=trusted, burst=BURST, key=key))
+def limited(
+    decision_port: int, *, trusted: str = "127.0.0.1/32", key: str = "header:X-API-Key", store: str = "",
+    policy: str = "open",
+) -> GatewayProcess:
+    return GatewayProcess(
+        LIMITED.format(decision_port=decision_port, trusted=trusted, burst=BURST, key=key, store=store, policy=policy)
+    )
 
 
 @contextlib.asynccontextmanager
@@ -150,6 +156,25 @@ async def test_fail_open_while_the_gateway_is_stopped(proxy: str) -> None:
     assert (seen["method"], seen["path"], seen["body"]) == ("POST", "/api/items", '{"order": 7}')
     assert reached_while_down == 1 + BURST + 2 + 1
     assert_limited(back)  # a fresh in-process store: the whole burst again
+
+
+@pytest.mark.parametrize("choice", CHOICES)
+@pytest.mark.parametrize("proxy", sorted(PROXIES))
+async def test_a_fail_closed_limit_stays_closed(proxy: str, choice: str) -> None:
+    """The gateway answers, refusing: a fail-closed limit whose store is down. That is not
+    the gateway down, so not even the fail-open snippets let the request through."""
+    decision_port = free_port()
+    dead_store = f"store: {{url: 'redis://127.0.0.1:{free_port()}/0'}}"
+    async with application() as (upstream, app_port):
+        with limited(decision_port, store=dead_store, policy="closed"), PROXIES[proxy](
+            decision_port=decision_port, upstream_port=app_port, choice=choice
+        ) as url:
+            async with aiohttp.ClientSession() as client:
+                status, headers, body = await send(client, url + "/api/items")
+    assert status == 503
+    assert headers["Retry-After"] == "1"  # the gateway's, not the snippets' 5
+    assert json.loads(body)["status"] == 503
+    assert upstream.requests == 0
 
 
 @pytest.mark.parametrize("proxy", sorted(PROXIES))
