@@ -2,7 +2,7 @@
 run behind real proxies in front of a gateway started with `gateway run`, with a real
 aiohttp upstream as the application.
 
-- The page's gateway YAML starts beside its nginx snippet, with every port it names moved
+- The page's gateway YAML starts beside its nginx and Caddy snippets, every port it names moved
   to a free one by one map (tests.beside_proxies.on_ports); without its `listen`, the
   gateway would take the port nginx holds.
 - nginx (auth_request), failing open and failing closed when the gateway cannot be asked:
@@ -57,7 +57,8 @@ BURST = 3
 KEY = {"X-API-Key": "k1"}
 CHOICES = ["open", "closed"]
 
-# The in-process store (no `store:`): a proxy's test counts exactly, with no Redis to time out.
+# The in-process store unless `store` is given: a proxy's test counts exactly, with no Redis
+# to time out.
 LIMITED = """
 listen: 127.0.0.1:0
 admin_listen: 127.0.0.1:0
