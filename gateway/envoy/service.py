@@ -92,6 +92,7 @@ class RateLimitService:
             raise InvalidRequest("rate limit descriptor list must not be empty")
         default_cost = request.hits_addend or 1
         found: list[RlsRateLimit | None] = []
+        keyed: list[Sequence[tuple[str, str]]] = []  # the entries each bucket is keyed by
         limits: list[Limit | None] = []
         costs: list[int] = []
         for descriptor in request.descriptors:
@@ -101,19 +102,20 @@ class RateLimitService:
                 raise InvalidRequest(f"hits_addend {cost} is more than any bucket holds ({MAX_COUNT})")
             costs.append(cost)
             rate_limit: RlsRateLimit | None
+            bucket_entries: Sequence[tuple[str, str]] = entries
             if descriptor.HasField("limit"):
                 rate_limit = self._override(request.domain, descriptor.limit)
             else:
-                rate_limit = rate_limit_of(self.rls.domains, request.domain, entries)
+                rate_limit, bucket_entries = rate_limit_of(self.rls.domains, request.domain, entries)
             found.append(rate_limit)
+            keyed.append(bucket_entries)
         found = without_replaced(found)
         checks: list[LimitCheck] = []
-        for rate_limit, descriptor, cost in zip(found, request.descriptors, costs):
+        for rate_limit, bucket_entries, cost in zip(found, keyed, costs):
             limit = rate_limit.limit if rate_limit is not None else None
             limits.append(limit)
             if limit is not None:
-                entries = [(entry.key, entry.value) for entry in descriptor.entries]
-                checks.append(LimitCheck(limit=limit, identity=identity_of(entries), cost=cost))
+                checks.append(LimitCheck(limit=limit, identity=identity_of(bucket_entries), cost=cost))
         if any(c.limit.shadow for c in checks):
             decision = await self.limiter.check_with_shadow(checks)
         else:
