@@ -277,7 +277,7 @@ def _rls_rule(rate_limit: RlsRateLimit) -> str:
     if not rate_limit.requests_per_unit:
         rule += " (always over the limit)"
     rule += f", on_store_error {limit.on_store_error.value}"
-    if limit.shadow:
+    if limit.shadow and not rate_limit.quota_mode:
         rule += ", shadow mode"
     if rate_limit.quota_mode:
         rule += ", quota mode"

@@ -12,7 +12,9 @@ import pytest
 
 from gateway.admin.config_view import redacted_config
 from gateway.config import parse_config
-from gateway.envoy.descriptors import identity_of, rate_limit_of, wildcard_matches, without_replaced
+from gateway.config.model import RlsRateLimit
+from gateway.config.rls import override_limit
+from gateway.envoy.descriptors import identity_of, rate_limit_of, request_over_limit, wildcard_matches, without_replaced
 
 FILE = """
 domain: d
@@ -152,3 +154,14 @@ def test_identities_of_different_descriptors_never_meet():
 def test_the_admin_config_view_shows_the_trees(tmp_path):
     shown = redacted_config(domains(tmp_path))["rls"]
     assert shown["domains"]["d"]["children"]["k_exact"]["rate_limit"]["requests_per_unit"] == 1
+
+
+def test_a_request_is_over_its_limit_when_a_plain_descriptor_is_or_every_quota_mode_one_is():
+    plain = RlsRateLimit(limit=None, unit="minute", requests_per_unit=1)
+    quota = RlsRateLimit(limit=override_limit("d", 1, "minute"), unit="minute", requests_per_unit=1, quota_mode=True)
+    unlimited_quota = RlsRateLimit(limit=None, unit="unknown", requests_per_unit=0, quota_mode=True)
+    assert request_over_limit([plain, quota], [True, False]) is True
+    assert request_over_limit([plain, quota, quota], [False, True, False]) is False
+    assert request_over_limit([plain, quota, quota], [False, True, True]) is True
+    assert request_over_limit([quota, unlimited_quota], [True, False]) is True  # an unlimited one is no quota
+    assert request_over_limit([None, None], [False, False]) is False

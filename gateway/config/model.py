@@ -474,7 +474,9 @@ class RlsRateLimit:
     requests_per_unit: int  # 0: every request that costs anything is over the limit
     name: str = ""  # `rate_limit.name`, what another rate_limit's `replaces` refers to
     replaces: tuple[str, ...] = ()
-    quota_mode: bool = False  # the descriptor's `quota_mode`
+    # The descriptor's `quota_mode` (without shadow_mode): `limit` is checked as a shadow one, and
+    # its refusal refuses the request only when every quota-mode limit of it refuses.
+    quota_mode: bool = False
     metadata: Mapping[str, Any] = field(default_factory=dict, compare=False)  # the descriptor's `metadata`
 
 

@@ -213,7 +213,9 @@ def _rate_limit(
         if replaced == own_name:
             r.fail(f"{where}.name", f"{replaced!r} is this rate limit's own name: it would replace itself and never count")
         replaces.append(replaced)
-    common = {"name": own_name, "replaces": tuple(replaces), "quota_mode": flags["quota_mode"], "metadata": metadata}
+    # shadow_mode answers OK whatever the count, so a quota mode beside it refuses nothing.
+    quota_mode = flags["quota_mode"] and not flags["shadow_mode"]
+    common = {"name": own_name, "replaces": tuple(replaces), "quota_mode": quota_mode, "metadata": metadata}
     if r.boolean(spec.get("unlimited", False), f"{path}.unlimited"):
         # requests_per_unit is let be, as envoyproxy/ratelimit lets it be: it counts nothing here.
         for key in ("unit", "algorithm"):
@@ -248,7 +250,9 @@ def _rate_limit(
         burst=count,
         key=_RLS_KEY,
         on_store_error=policy,
-        shadow=flags["shadow_mode"],
+        # A quota-mode limit is checked on its own, as a shadow limit is: charged when it has
+        # room, never keeping the others from being charged; gateway.envoy.service answers it.
+        shadow=flags["shadow_mode"] or quota_mode,
         quota=quota,
     )
     return RlsRateLimit(limit=limit, unit=unit, requests_per_unit=count, **common)

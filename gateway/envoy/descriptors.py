@@ -1,6 +1,7 @@
 """Which configured rate limit a descriptor of Envoy's request falls under, as
-envoyproxy/ratelimit finds it, the bucket it counts in, and the `replaces` rule across a
-request's limits. Pure: no I/O, no gRPC, so it is tested on its own.
+envoyproxy/ratelimit finds it, the bucket it counts in, the `replaces` rule across a
+request's limits, and the request's overall code (`quota_mode`). Pure: no I/O, no gRPC, so
+it is tested on its own.
 
 A descriptor's entries walk down its domain's tree, one level per entry: an entry takes the
 node `key_value`, else the first node of its key, in the files' order, whose value pattern
@@ -72,6 +73,19 @@ def without_replaced(rate_limits: Sequence[RlsRateLimit | None]) -> list[RlsRate
     if not replaced:
         return list(rate_limits)
     return [None if rl is not None and rl.name and rl.name in replaced else rl for rl in rate_limits]
+
+
+def request_over_limit(rate_limits: Sequence[RlsRateLimit | None], over: Sequence[bool]) -> bool:
+    """The request's overall code, as envoyproxy/ratelimit decides it from its descriptors'
+    (`over`, matched with `rate_limits` after `replaces`): over when a descriptor not in
+    quota mode is over its limit, or when there are quota-mode descriptors and every one is."""
+    quota = []
+    for rate_limit, is_over in zip(rate_limits, over, strict=True):
+        if rate_limit is not None and rate_limit.quota_mode and rate_limit.limit is not None:
+            quota.append(is_over)
+        elif is_over:
+            return True
+    return bool(quota) and all(quota)
 
 
 def identity_of(entries: Entries) -> str:
