@@ -123,7 +123,10 @@ def rls_config(listen: Address, path: Any, r: _Reader, *, merge_domains: bool = 
             _file(file, roots, origin, merge_domains)
         except RecursionError:
             raise ConfigError(f"{file}: nested too deeply") from None
-    domains = {domain: RlsDescriptor(rate_limit=None, children=level.children, wildcards=tuple(level.wildcards)) for domain, level in roots.items()}
+    domains = {
+        domain: RlsDescriptor(rate_limit=None, children=level.children, wildcards=tuple(level.wildcards))
+        for domain, level in roots.items()
+    }
     return RlsConfig(listen=listen, config_path=path, domains=domains)
 
 
@@ -180,11 +183,10 @@ def _level(items: Any, path: str, domain: str, parents: tuple[str, ...], level: 
             r.fail(f"{where}.share_threshold", f"needs a value with a `*` (every value it matches then shares one bucket), not {value!r}")
         own = (*parents, selector)
         policy = _choice(FailurePolicy, spec.get("on_store_error", FailurePolicy.OPEN.value), f"{where}.on_store_error", r)
+        metadata = _metadata(spec, where, r)
         rate_limit = None
         if spec.get("rate_limit") is not None:
-            rate_limit = _rate_limit(
-                spec["rate_limit"], f"{where}.rate_limit", _limit_name(domain, own), flags, policy, _metadata(spec, where, r), r
-            )
+            rate_limit = _rate_limit(spec["rate_limit"], f"{where}.rate_limit", _limit_name(domain, own), flags, policy, metadata, r)
         elif "on_store_error" in spec:
             r.fail(f"{where}.on_store_error", "applies to a descriptor's rate_limit, which this one does not have")
         below = _Level()
@@ -215,7 +217,7 @@ def _rate_limit(
         replaces.append(replaced)
     # shadow_mode answers OK whatever the count, so a quota mode beside it refuses nothing.
     quota_mode = flags["quota_mode"] and not flags["shadow_mode"]
-    common = {"name": own_name, "replaces": tuple(replaces), "quota_mode": quota_mode, "metadata": metadata}
+    common: dict[str, Any] = {"name": own_name, "replaces": tuple(replaces), "quota_mode": quota_mode, "metadata": metadata}
     if r.boolean(spec.get("unlimited", False), f"{path}.unlimited"):
         # requests_per_unit is let be, as envoyproxy/ratelimit lets it be: it counts nothing here.
         for key in ("unit", "algorithm"):
