@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import ConfigError, parse_config
+from gateway.config.rls import override_limit
 from gateway.envoy.descriptors import identity_of, rate_limit_of
 from tests.processes import GatewayProcess, RedisServer, free_port
 from tests.rls_reference_examples import EXAMPLES, INTEGRATION
@@ -85,6 +86,16 @@ def test_domain_merge(tmp_path):  # TestDomainMerge
     assert rule(d, "foo_domain") is None and rule(d, "test-domain") is None
     assert limit(d, "test-domain", ("key1", "value1")) == (10, "minute")
     assert limit(d, "test-domain", ("key2", "value2")) == (20, "minute")
+
+
+def test_config_limit_override():  # TestConfigLimitOverride
+    # The override replaces the configured rule (gateway.envoy.service applies it, and ignores
+    # it in a domain the config does not have); here, the bucket it is counted in: its own
+    # count and unit, never in shadow mode. One per count and unit, a documented difference.
+    day, hour = override_limit("test-domain", 10, "day"), override_limit("test-domain", 42, "hour")
+    assert (day.burst, day.rate.period_seconds, day.shadow) == (10, 86400.0, False)
+    assert (hour.burst, hour.rate.period_seconds) == (42, 3600.0)
+    assert day.name != hour.name
 
 
 def test_shadow_mode_config(tmp_path):  # TestShadowModeConfig
