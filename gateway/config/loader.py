@@ -124,7 +124,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
             "admin_raw_identities", "admin_hosts",
             "client_header_timeout", "client_body_timeout", "keepalive_timeout", "keepalive_requests",
             "max_header_size", "upstream_connections", "access_log", "response", "max_delayed", "client_ip",
-            "local_store_memory", "rls_listen", "rls_config", "decision_listen",
+            "local_store_memory", "rls_listen", "rls_config", "rls_merge_domains", "decision_listen",
         ),
     )
     listen, listen_backlog, listen_tls = _listen(top.get("listen", DEFAULT_LISTEN), r)
@@ -199,7 +199,10 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         rls_listen = r.parsed(parse_address, top["rls_listen"], "rls_listen")
         if workers > 1 and rls_listen.port == 0:
             r.fail("rls_listen", f"port 0 needs workers: 1; with workers: {workers} each worker would get a different port")
-        rls = rls_config(rls_listen, top["rls_config"], r)
+        merge = r.boolean(top.get("rls_merge_domains", False), "rls_merge_domains")
+        rls = rls_config(rls_listen, top["rls_config"], r, merge_domains=merge)
+    elif "rls_merge_domains" in top:
+        r.fail("rls_merge_domains", "applies to the files of rls_config, which this config does not have")
     routes_doc = r.sequence(top["routes"], "routes")
     if not routes_doc:
         r.fail("routes", "expected at least one route")

@@ -471,20 +471,28 @@ class RlsRateLimit:
 
     limit: Limit | None  # None: `unlimited: true`, never counted
     unit: str  # as Envoy's RateLimit.Unit names it, lower case: "second" ... "year"
-    requests_per_unit: int
+    requests_per_unit: int  # 0: every request that costs anything is over the limit
     name: str = ""  # `rate_limit.name`, what another rate_limit's `replaces` refers to
     replaces: tuple[str, ...] = ()
+    # The descriptor's `quota_mode` (without shadow_mode): `limit` is checked as a shadow one, and
+    # its refusal refuses the request only when every quota-mode limit of it refuses.
+    quota_mode: bool = False
+    metadata: Mapping[str, Any] = field(default_factory=dict, compare=False)  # the descriptor's `metadata`
 
 
 @dataclass(frozen=True, kw_only=True)
 class RlsDescriptor:
     """A node of a domain's descriptor tree: its rate limit, if it has one, and the nodes
     below it, by `key_value` for those with a value and by `key` for those without (any
-    value matches, each value its own bucket). `prefixes`: values ending in `*`."""
+    value matches, each value its own bucket). `wildcards`: the nodes whose value holds a
+    `*`, in the order of the files, as (key, the value split on `*`, selector in children).
+    `shared`: `share_threshold`, every value its wildcard matches counts in one bucket."""
 
     rate_limit: RlsRateLimit | None
     children: Mapping[str, RlsDescriptor] = field(default_factory=dict, compare=False)
-    prefixes: tuple[tuple[str, str, RlsDescriptor], ...] = field(default=(), compare=False)  # (key, prefix, node)
+    wildcards: tuple[tuple[str, tuple[str, ...], str], ...] = ()
+    value: str = ""  # as written in the file: the pattern a shared node's buckets are keyed by
+    shared: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,7 +33,7 @@ from google.protobuf.message import DecodeError
 from gateway.config.model import FailurePolicy, GatewayConfig, Limit, RlsConfig, RlsRateLimit
 from gateway.config.reader import MAX_COUNT
 from gateway.config.rls import UNIT_SECONDS, override_limit
-from gateway.envoy.descriptors import identity_of, rate_limit_of, without_replaced
+from gateway.envoy.descriptors import identity_of, rate_limit_of, request_over_limit, without_replaced
 from gateway.envoy.generated import rls_pb2
 from gateway.limiter.decision import Decision, LimitStatus, local_share
 from gateway.limiter.limiter import Limiter
@@ -92,6 +92,7 @@ class RateLimitService:
             raise InvalidRequest("rate limit descriptor list must not be empty")
         default_cost = request.hits_addend or 1
         found: list[RlsRateLimit | None] = []
+        keyed: list[Sequence[tuple[str, str]]] = []  # the entries each bucket is keyed by
         limits: list[Limit | None] = []
         costs: list[int] = []
         for descriptor in request.descriptors:
@@ -101,19 +102,20 @@ class RateLimitService:
                 raise InvalidRequest(f"hits_addend {cost} is more than any bucket holds ({MAX_COUNT})")
             costs.append(cost)
             rate_limit: RlsRateLimit | None
+            bucket_entries: Sequence[tuple[str, str]] = entries
             if descriptor.HasField("limit"):
                 rate_limit = self._override(request.domain, descriptor.limit)
             else:
-                rate_limit = rate_limit_of(self.rls.domains, request.domain, entries)
+                rate_limit, bucket_entries = rate_limit_of(self.rls.domains, request.domain, entries)
             found.append(rate_limit)
+            keyed.append(bucket_entries)
         found = without_replaced(found)
         checks: list[LimitCheck] = []
-        for rate_limit, descriptor, cost in zip(found, request.descriptors, costs):
+        for rate_limit, bucket_entries, cost in zip(found, keyed, costs):
             limit = rate_limit.limit if rate_limit is not None else None
             limits.append(limit)
             if limit is not None:
-                entries = [(entry.key, entry.value) for entry in descriptor.entries]
-                checks.append(LimitCheck(limit=limit, identity=identity_of(entries), cost=cost))
+                checks.append(LimitCheck(limit=limit, identity=identity_of(bucket_entries), cost=cost))
         if any(c.limit.shadow for c in checks):
             decision = await self.limiter.check_with_shadow(checks)
         else:
@@ -149,14 +151,16 @@ class RateLimitService:
                 continue
             limit_status = next(statuses)
             answered.append(limit_status)
-            status.code = OVER_LIMIT if limit_status.outcome in REFUSED else OK
+            # A quota-mode limit is checked as a shadow one: its refusal is the shadow's.
+            over = limit_status.outcome in REFUSED or (rate_limit.quota_mode and limit_status.outcome == SHADOW_LIMITED)
+            status.code = OVER_LIMIT if over else OK
             status.current_limit.requests_per_unit = rate_limit.requests_per_unit
             status.current_limit.unit = UNITS[rate_limit.unit]
             status.current_limit.name = rate_limit.name
             remaining, reset = _remaining_and_reset(self._applied(limit_status), limit_status)
             status.limit_remaining = remaining
             status.duration_until_reset.seconds = reset
-        refused = any(s.code == OVER_LIMIT for s in response.statuses)
+        refused = request_over_limit(found, [s.code == OVER_LIMIT for s in response.statuses])
         response.overall_code = OVER_LIMIT if refused else OK
         if answered:
             pairs = [(s.limit, self._applied(s)) for s in answered]
