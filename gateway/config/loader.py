@@ -20,6 +20,7 @@ import yaml
 from gateway.config import safe_yaml
 from gateway.config.limits import _concurrency_limit, _limit, _network, _response
 from gateway.config.model import (
+    DEFAULT_IDENTITY_MAX_LENGTH,
     ClientIpStrategy,
     ClientLimits,
     ConcurrencyLimit,
@@ -124,7 +125,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
             "admin_raw_identities", "admin_hosts",
             "client_header_timeout", "client_body_timeout", "keepalive_timeout", "keepalive_requests",
             "max_header_size", "upstream_connections", "access_log", "response", "max_delayed", "client_ip",
-            "local_store_memory", "rls_listen", "rls_config", "decision_listen",
+            "local_store_memory", "rls_listen", "rls_config", "decision_listen", "identity_max_length",
         ),
     )
     listen, listen_backlog, listen_tls = _listen(top.get("listen", DEFAULT_LISTEN), r)
@@ -247,6 +248,9 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         concurrency_limits=tuple(limit for limit in limits.values() if isinstance(limit, ConcurrencyLimit)),
         max_delayed=r.integer(top.get("max_delayed", DEFAULT_MAX_DELAYED), "max_delayed", minimum=1),
         client_ip=client_ip,
+        identity_max_length=r.parsed(
+            parse_size, top.get("identity_max_length", DEFAULT_IDENTITY_MAX_LENGTH), "identity_max_length"
+        ),
         local_store_memory=r.parsed(
             parse_size, top.get("local_store_memory", DEFAULT_LOCAL_STORE_MEMORY), "local_store_memory"
         ),
