@@ -122,10 +122,10 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         optional=(
             "listen", "admin_listen", "workers", "max_in_flight", "store", "trusted_proxies", "limits",
             "shutdown_grace", "forwarded_headers", "jwt", "path_normalization", "admin_token_env",
-            "admin_raw_identities", "admin_hosts",
+            "admin_raw_identities", "admin_hosts", "identity_max_length",
             "client_header_timeout", "client_body_timeout", "keepalive_timeout", "keepalive_requests",
             "max_header_size", "upstream_connections", "access_log", "response", "max_delayed", "client_ip",
-            "local_store_memory", "rls_listen", "rls_config", "decision_listen", "identity_max_length",
+            "local_store_memory", "rls_listen", "rls_config", "decision_listen",
         ),
     )
     listen, listen_backlog, listen_tls = _listen(top.get("listen", DEFAULT_LISTEN), r)
