@@ -8,7 +8,8 @@ route, though Go and PHP upstreams read `expensive=1`; Traefik's `X-Forwarded-Me
 skipped a POST route; `//a:99999/x` was a 500 with a traceback; `/nolimit/café` was a 400
 that nginx turned into a 500. Here:
 
-- the public listener and the decision listener are sent the same bytes, case by case:
+- the public listener and the decision listener (as Traefik and as Envoy ask) are sent
+  the same bytes, case by case:
   what the public listener refuses, the decision listener refuses with the same words;
   what it would forward changed, the decision listener refuses; the rest is decided;
 - each case through the real nginx with the snippet docs/beside-proxies.md gives: never
@@ -23,8 +24,12 @@ import json
 
 import aiohttp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gateway.proxy.forwarded_target import FRAGMENT, NORMALISED, NOT_ORIGIN_FORM
+from gateway.config.model import DotSegments, EscapedSlashes, PathNormalization
+from gateway.proxy.forwarded_target import FRAGMENT, NORMALISED, NOT_ORIGIN_FORM, TargetRefused, forwarded_target
+from gateway.proxy.paths import normalize_path
 from gateway.testing import running_gateway
 from tests.processes import GatewayProcess, free_port
 from tests.raw_client import raw_exchange
@@ -109,10 +114,15 @@ async def test_the_decision_listener_takes_what_the_public_listener_forwards_unc
                         ("X-Forwarded-Host", "shop.example"), ("X-API-Key", key),
                     ], path="/decide/traefik"),
                 )
+                # Envoy's ext_authz: the original method, and its target after path_prefix.
+                envoy = await raw_exchange(
+                    gw.decision_url,
+                    _head(method, "/decide/envoy" + target, [("Host", "shop.example"), ("X-API-Key", key + "-envoy")]),
+                )
                 case = (method, target)
                 if public == REFUSED:
                     assert sent[0] == 400, case
-                    assert asked[0] == 400, case
+                    assert asked[0] == envoy[0] == 400, case
                     assert _detail(asked[2]) == _detail(sent[2]), case
                     continue
                 # The public listener forwards it: unchanged, or read as another target.
@@ -120,10 +130,10 @@ async def test_the_decision_listener_takes_what_the_public_listener_forwards_unc
                 forwarded = json.loads(sent[2])["path"]
                 assert (forwarded == target) == (public == DECIDED), (case, forwarded)
                 if public == DECIDED:
-                    assert asked[0] == 200, (case, asked)
+                    assert asked[0] == envoy[0] == 200, (case, asked, envoy)
                 else:
-                    assert asked[0] == 400, (case, asked)
-                    assert _detail(asked[2]) in (NORMALISED, FRAGMENT), case
+                    assert asked[0] == envoy[0] == 400, (case, asked, envoy)
+                    assert _detail(asked[2]) == _detail(envoy[2]) and _detail(asked[2]) in (NORMALISED, FRAGMENT), case
 
 
 NGINX_CASES = [
@@ -242,3 +252,32 @@ async def test_a_target_yarl_cannot_parse_is_decided_when_the_path_rule_keeps_it
                 merged = answer.status, (await answer.json(content_type=None))["detail"]
     assert kept == 200
     assert merged == (400, NORMALISED)
+
+
+# Targets built from the pieces that matter to the path rule and the parser.
+_PIECES = st.sampled_from(
+    ["/", "//", "/.", "/..", "%2e", "%2E", "%2f", "%2F", "%5C", "%00", "%c3%a9", "%C3%A9", "%61", ";x", "?", "#", "&", "=",
+     "a", "api", "reports", " ", "\t", "{", '"', "é", "\udcc3", ":99999", "*", "http://h"]
+)
+_RULES = st.builds(
+    PathNormalization,
+    dot_segments=st.sampled_from(list(DotSegments)),
+    merge_slashes=st.booleans(),
+    escaped_slashes=st.sampled_from(list(EscapedSlashes)),
+)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(method=st.sampled_from(["GET", "POST", "post", "CONNECT", "FOO", "M-SEARCH", "G T", ""]),
+       target=st.lists(_PIECES, max_size=12).map("".join), rule=_RULES)
+def test_a_target_is_refused_or_forwarded_exactly_as_decided(method: str, target: str, rule: PathNormalization) -> None:
+    """Whatever the method and target: a refusal, never another error; and a target taken
+    is one whose path the rule forwards as it is, with no fragment."""
+    try:
+        taken = forwarded_target(method, target, rule)
+    except TargetRefused as exc:
+        assert exc.detail.endswith(".")  # one of the fixed sentences
+        return
+    raw_path, _, query = target.partition("?")
+    assert normalize_path(raw_path, rule).forward == raw_path == taken.path.forward
+    assert "#" not in target and taken.url.raw_query_string == query
