@@ -73,8 +73,10 @@ class Original:
 
 def _one(request: web.BaseRequest, name: str) -> str:
     values = request.headers.getall(name, ())
-    if len(values) != 1 or not values[0]:
-        raise Malformed(f"{name} must be given once, and not empty; got {len(values)}.")
+    if len(values) != 1:
+        raise Malformed(f"{name} must be given once, got {len(values)}.")
+    if not values[0]:
+        raise Malformed(f"{name} is empty.")
     return values[0]
 
 

@@ -27,7 +27,7 @@ No I/O; the parser is fed from memory.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from aiohttp import web_protocol
 from aiohttp.http_exceptions import HttpProcessingError
@@ -48,6 +48,9 @@ NORMALISED = (
 )
 # A request line's end and the one header a request needs: what llhttp reads past the target.
 _LINE_END = b" HTTP/1.1\r\nHost: original\r\n\r\n"
+# A bodiless request streams nothing: the parser wants a protocol (aiohttp's pure-Python one
+# asserts it has one) and a loop only to make a body's reader, which it never makes here.
+_NO_STREAM: Any = object()
 
 
 class TargetRefused(Exception):
@@ -92,8 +95,7 @@ def _parsed(method: str, target: str) -> URL:
         line = b"%s %s%s" % (method.encode("utf-8", "surrogateescape"), target.encode("utf-8", "surrogateescape"), _LINE_END)
     except UnicodeEncodeError:
         raise TargetRefused(parser_refusal(None)) from None
-    # A bodiless request needs neither a protocol nor a loop: nothing is streamed.
-    parser = web_protocol.HttpRequestParser(None, None, 2**16)
+    parser = web_protocol.HttpRequestParser(_NO_STREAM, None, 2**16)
     try:
         messages, _, _ = parser.feed_data(line)
     except (HttpProcessingError, ValueError) as exc:
