@@ -8,7 +8,8 @@
   and the RateLimit fields, mapped back from the gateway's 403.
 - Traefik's and Envoy's contracts, with the requests they document sending: allow, deny
   (429 with the fields), a fail-closed limit on a dead store (503), an untrusted peer
-  (400, charged nothing) and malformed original-request headers (400).
+  (400, charged nothing) and missing original-request headers (400); what the original
+  request holds is refused as the client's doing (tests/test_decision_targets.py).
 """
 
 from __future__ import annotations
@@ -341,13 +342,22 @@ async def test_routes_and_the_client_address_are_the_original_requests() -> None
     assert "reads" in reads[0][1]
 
 
-async def test_nginx_hears_a_refused_original_request_as_a_denial() -> None:
-    """A path the path rule refuses is the client's doing: nginx is told 403 (its 500
-    would page someone), the gateway's 400 in X-Gateway-Status. A question that is not
-    one (no X-Original-URI) stays 400: that is the snippet's fault."""
+@pytest.mark.parametrize(
+    ("method", "uri", "answer"),
+    [
+        ("GET", "/api/%00", (403, "400")),  # a path the path rule refuses
+        ("GE T", "/api/items", (403, "400")),  # a method the public listener refuses
+        ("GET", "api/items", (403, "400")),  # a target that is not origin-form
+        ("GET", "", (400, None)),  # an empty X-Original-URI: the snippet's doing
+    ],
+)
+async def test_nginx_hears_a_refused_original_request_as_a_denial(method: str, uri: str, answer: tuple) -> None:
+    """What the original request holds is the client's doing: refused, nginx is told 403
+    (its 500 would page someone), the gateway's 400 in X-Gateway-Status. A question that
+    is not one (an X-Original-URI missing or empty) stays 400: that is the snippet's fault."""
     with RedisServer(dedicated=True) as redis_server:
         async with decision_gateway(redis_server.url) as url, aiohttp.ClientSession() as client:
-            base = {"X-Original-Method": "GET", "Host": "shop.example", "X-API-Key": "k1"}
-            async with client.get(url + "/decide/nginx", headers={**base, "X-Original-URI": "/api/%00"}) as refused:
+            base = {"X-Original-Method": method, "Host": "shop.example", "X-API-Key": "k1"}
+            async with client.get(url + "/decide/nginx", headers={**base, "X-Original-URI": uri}) as refused:
                 status, gateway_status = refused.status, refused.headers.get("X-Gateway-Status")
-    assert (status, gateway_status) == (403, "400")
+    assert (status, gateway_status) == answer

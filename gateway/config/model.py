@@ -419,6 +419,13 @@ class ListenTls:
 DEFAULT_LISTEN_BACKLOG = 1024
 
 
+# The longest identity value a limit reads. Bearer JWTs from Azure AD and Okta run to 2 KB
+# and more with group claims; 8 KiB is nginx's header buffer and llhttp's header line, so
+# any value one header line carries fits. What the gateway remembers per identity is
+# bounded by its digest (gateway.limiter.keys.memory_key), not by this.
+DEFAULT_IDENTITY_MAX_LENGTH = 8 * 1024
+
+
 @dataclass(frozen=True, kw_only=True)
 class GatewayConfig:
     source: str
@@ -452,6 +459,8 @@ class GatewayConfig:
     concurrency_limits: tuple[ConcurrencyLimit, ...] = ()
     max_delayed: int = 256  # requests one worker process holds waiting out a `mode: delay` wait; more are rejected
     client_ip: ClientIpStrategy = ClientIpStrategy()  # how a trusted proxy's header names the client
+    # The longest identity value (characters) a limit reads; a longer one gets 431.
+    identity_max_length: int = DEFAULT_IDENTITY_MAX_LENGTH
     # Bytes each in-process store may hold per worker: the store without `store:`, and the
     # stand-ins of `on_store_error: local`. Past it, the least recently checked bucket goes.
     local_store_memory: int = 32 * 1024 * 1024

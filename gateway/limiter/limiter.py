@@ -192,7 +192,7 @@ class Limiter:
             now = time.monotonic()
             for c, status in zip(checks, decision.statuses):
                 if status.denied:
-                    self.top_limited.add((c.limit.name, c.identity), now)
+                    self.top_limited.denied(c.limit.name, c.identity, now)
         return decision
 
     async def check_with_shadow(self, checks: Sequence[LimitCheck]) -> Decision:
