@@ -30,6 +30,7 @@ the end of the request it admits: they are skipped and counted.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ from gateway.proxy.access_log import AccessRecord, request_id
 from gateway.proxy.forwarded_target import TargetRefused, forwarded_target
 from gateway.proxy.handler import ProxyHandler
 from gateway.proxy.paths import NormalPath
-from gateway.proxy.problem import problem
+from gateway.proxy.problem import PROBLEM_CONTENT_TYPE, problem
 from gateway.proxy.protocol import checked_host
 from gateway.proxy.route_plan import Plans
 from gateway.proxy.routing import ConditionRejected
@@ -53,6 +54,9 @@ ENVOY_PREFIX = "/decide/envoy"  # Envoy's http_service.path_prefix: the original
 # nginx turns any other auth_request status into a 500; its snippet maps these back.
 NGINX_DENIED = 403
 NGINX_UNDECIDED = 401
+# Envoy's ext_authz counts every 5xx from its authorization service as the service failing,
+# which `failure_mode_allow: true` lets through: a fail-closed refusal must reach it as a 4xx.
+ENVOY_UNDECIDED = 429
 # The gateway's answers about a client's request (allowed, denied, not decided), counted
 # for every mode from the start so that dashboards and alerts read 0, not nothing.
 ANSWERS = ("200", "429", "503")
@@ -115,6 +119,22 @@ def for_nginx(refusal: web.StreamResponse) -> web.StreamResponse:
     return refusal
 
 
+def for_envoy(refusal: web.StreamResponse) -> web.StreamResponse:
+    """A 5xx answer about the original request (a fail-closed limit's store failed) as Envoy
+    passes it to the client instead of treating it as the gateway failing: 429 with the
+    same headers, the gateway's status in X-Gateway-Status, and a problem body that says 429
+    (RFC 9457: the member repeats the response's status) with the same type and detail."""
+    status = refusal.status
+    refusal.headers[GATEWAY_STATUS] = str(status)
+    refusal.set_status(ENVOY_UNDECIDED)
+    if isinstance(refusal, web.Response) and isinstance(refusal.body, bytes) and refusal.content_type == PROBLEM_CONTENT_TYPE:
+        problem_doc = json.loads(refusal.body)
+        problem_doc["status"] = ENVOY_UNDECIDED
+        refusal.body = rewritten = json.dumps(problem_doc).encode()
+        refusal.headers[hdrs.CONTENT_LENGTH] = str(len(rewritten))
+    return refusal
+
+
 class DecisionService:
     """The decision listener's one handler, on the proxy handler's plans (so a reload
     reaches it) and its limiter check."""
@@ -172,7 +192,11 @@ class DecisionService:
                 headers[hdrs.HOST] = original.host
             asked = request.clone(method=original.method, rel_url=target.url, headers=headers)
             answer = await self._decide(asked, target.path, plans)
-        return for_nginx(answer) if mode == NGINX and answer.status >= 400 else answer
+        if mode == NGINX and answer.status >= 400:
+            return for_nginx(answer)
+        if mode == ENVOY and answer.status >= 500:
+            return for_envoy(answer)
+        return answer
 
     async def _decide(self, asked: web.BaseRequest, path: NormalPath, plans: Plans) -> web.StreamResponse:
         """The answer to the original request `asked`, its path `path`, as the proxy handler
