@@ -1,0 +1,84 @@
+"""The bounds of Envoy's rate-limit service: how big a request may be, and the gRPC server's
+own limits on messages and concurrency. Pure: no I/O, no gRPC calls, so it is tested on its own.
+
+A request's work (parsing, matching, one store script) grows with its descriptors and
+entries, and all of it runs on the event loop the public listener shares. So a frame is
+measured before protobuf parses it, and the parsed request against the caps below, each
+set above what Envoy builds in practice. A request over a cap is refused whole, with a
+one-line reason for INVALID_ARGUMENT: no part of it is checked or charged.
+
+Trusts nothing in the frame; the caps are the gateway's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Envoy's default max_request_headers_kb is 60: no header value Envoy accepts by default is
+# longer, so a descriptor built from one (a token, a cookie) fits. The HTTP side reads
+# identities of 8 KiB and more; the store keeps a long identity as a digest either way.
+MAX_VALUE_BYTES = 64 * 1024
+# Envoy sends one descriptor per `rate_limits` entry that applies to the route (the route's
+# and its virtual host's): a handful in practice. 64 keep a request's check one short script.
+MAX_DESCRIPTORS = 64
+# One entry per action of a `rate_limits` entry; envoyproxy/ratelimit's examples nest 3 deep.
+MAX_ENTRIES = 16
+# Four times Envoy's default header limit: the descriptors Envoy builds from one request's
+# headers, each header used in up to four of them. Checked before parsing: protobuf takes
+# about 2 ms for 256 KiB of empty descriptors, 9 ms for the 1 MiB it would otherwise take.
+MAX_MESSAGE_BYTES = 256 * 1024
+# grpcio's own ceiling, its default made explicit: a frame up to it reaches the check above
+# and gets its one-line reason; past it grpcio answers RESOURCE_EXHAUSTED without us.
+GRPC_MAX_RECEIVE_BYTES = 4 * 1024 * 1024
+# HTTP/2 streams one connection may open (SETTINGS_MAX_CONCURRENT_STREAMS): 8 times what
+# Envoy sends one cluster at once by default (max_requests: 1024). Not what bounds load:
+# grpcio resets a stream past it (REFUSED_STREAM; 184 of 2,000 RPCs on one channel at
+# 1,024), an error Envoy lets through unless failure_mode_deny is set.
+MAX_STREAMS_PER_CONNECTION = 8192
+# Calls grpcio holds for the application to take. Past its defaults (1,000, then randomly
+# up to 3,000) it cancels them: 164 of 2,000 concurrent RPCs on one channel came back
+# CANCELLED, another error Envoy lets through. The gateway sheds instead, through the
+# rules' failure policies (max_in_flight); this only bounds the queue, past any Envoy timeout.
+MAX_PENDING_CALLS = 65536
+
+def grpc_options(*, reuse_port: bool) -> list[tuple[str, int]]:
+    """The gRPC server's channel arguments. `reuse_port`: every worker binds the same port
+    (grpcio's own default, which would otherwise let a second gateway share ours silently)."""
+    return [
+        ("grpc.so_reuseport", 1 if reuse_port else 0),
+        ("grpc.max_receive_message_length", GRPC_MAX_RECEIVE_BYTES),
+        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+        ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+    ]
+
+
+def frame_fault(size: int) -> str | None:
+    """Why a frame of `size` bytes is refused unparsed, or None."""
+    if size > MAX_MESSAGE_BYTES:
+        return f"request of {size} bytes is over the {MAX_MESSAGE_BYTES}-byte limit"
+    return None
+
+
+def request_fault(request: Any) -> str | None:
+    """Why a parsed RateLimitRequest is over a cap, or None. Stops at the first fault found."""
+    if _too_long(request.domain):
+        return f"domain is over the {MAX_VALUE_BYTES}-byte limit"
+    descriptors = request.descriptors
+    if len(descriptors) > MAX_DESCRIPTORS:
+        return f"{len(descriptors)} descriptors is over the limit of {MAX_DESCRIPTORS}"
+    for i, descriptor in enumerate(descriptors):
+        entries = descriptor.entries
+        if len(entries) > MAX_ENTRIES:
+            return f"descriptors[{i}] has {len(entries)} entries, over the limit of {MAX_ENTRIES}"
+        for j, entry in enumerate(entries):
+            if _too_long(entry.key) or _too_long(entry.value):
+                return f"descriptors[{i}].entries[{j}]: a key or value is over the {MAX_VALUE_BYTES}-byte limit"
+    return None
+
+
+def _too_long(text: str) -> bool:
+    # An ASCII string's length is its UTF-8 size, and Python knows it is ASCII at no cost.
+    if len(text) <= MAX_VALUE_BYTES // 4:
+        return False
+    return (len(text) if text.isascii() else len(text.encode())) > MAX_VALUE_BYTES
