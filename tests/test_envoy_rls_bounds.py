@@ -237,8 +237,9 @@ async def test_past_max_in_flight_rpcs_are_answered_by_their_failure_policies(ru
     store.timeout keeps it there): the 49 sent beside it are answered at once by the
     fail-closed rule's policy, the store unasked, and the held one once the store is back."""
     port = free_port()
-    text = config(f"{{url: '{{url}}', timeout: 60s}}", port, rules, extra="max_in_flight: 1\n")
-    with RedisServer(dedicated=True) as redis, GatewayProcess(text.replace("{url}", redis.url)) as gw:
+    with RedisServer(dedicated=True) as redis, GatewayProcess(
+        config(f'{{url: "{redis.url}", timeout: 60s}}', port, rules, extra="max_in_flight: 1\n")
+    ) as gw:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             await channel.channel_ready()
             stub = rls_pb2_grpc.RateLimitServiceStub(channel)
