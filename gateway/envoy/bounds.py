@@ -7,6 +7,11 @@ measured before protobuf parses it, and the parsed request against the caps belo
 set above what Envoy builds in practice. A request over a cap is refused whole, with a
 one-line reason for INVALID_ARGUMENT: no part of it is checked or charged.
 
+grpcio's own limits are set so that it never sheds an RPC with an error status: Envoy lets
+those through unless its failure_mode_deny is set, which would bypass `on_store_error:
+closed`. The gateway sheds instead, past `max_in_flight`, through the rules' failure
+policies (gateway.envoy.service). docs/envoy-rls.md#bounds has the measurements.
+
 Trusts nothing in the frame; the caps are the gateway's own.
 """
 
@@ -14,32 +19,21 @@ from __future__ import annotations
 
 from typing import Any
 
-# Envoy's default max_request_headers_kb is 60: no header value Envoy accepts by default is
-# longer, so a descriptor built from one (a token, a cookie) fits. The HTTP side reads
-# identities of 8 KiB and more; the store keeps a long identity as a digest either way.
+# Envoy's default max_request_headers_kb is 60: no header value it accepts by default is longer.
 MAX_VALUE_BYTES = 64 * 1024
-# Envoy sends one descriptor per `rate_limits` entry that applies to the route (the route's
-# and its virtual host's): a handful in practice. 64 keep a request's check one short script.
+# Envoy sends one descriptor per `rate_limits` entry that applies to the route: a handful.
 MAX_DESCRIPTORS = 64
-# One entry per action of a `rate_limits` entry; envoyproxy/ratelimit's examples nest 3 deep.
+# One entry per action of a `rate_limits` entry; envoyproxy/ratelimit's configs nest 3 deep at most.
 MAX_ENTRIES = 16
-# Four times Envoy's default header limit: the descriptors Envoy builds from one request's
-# headers, each header used in up to four of them. Checked before parsing: protobuf takes
-# about 2 ms for 256 KiB of empty descriptors, 9 ms for the 1 MiB it would otherwise take.
+# Four of Envoy's largest header values; protobuf parses 256 KiB of tiny entries in about 1.4 ms.
 MAX_MESSAGE_BYTES = 256 * 1024
-# grpcio's own ceiling, its default made explicit: a frame up to it reaches the check above
-# and gets its one-line reason; past it grpcio answers RESOURCE_EXHAUSTED without us.
+# grpcio's default, made explicit: past it grpcio refuses the frame itself (RESOURCE_EXHAUSTED).
 GRPC_MAX_RECEIVE_BYTES = 4 * 1024 * 1024
-# HTTP/2 streams one connection may open (SETTINGS_MAX_CONCURRENT_STREAMS): 8 times what
-# Envoy sends one cluster at once by default (max_requests: 1024). Not what bounds load:
-# grpcio resets a stream past it (REFUSED_STREAM; 184 of 2,000 RPCs on one channel at
-# 1,024), an error Envoy lets through unless failure_mode_deny is set.
+# 8 times Envoy's default for a cluster (max_requests: 1024): grpcio resets streams past it.
 MAX_STREAMS_PER_CONNECTION = 8192
-# Calls grpcio holds for the application to take. Past its defaults (1,000, then randomly
-# up to 3,000) it cancels them: 164 of 2,000 concurrent RPCs on one channel came back
-# CANCELLED, another error Envoy lets through. The gateway sheds instead, through the
-# rules' failure policies (max_in_flight); this only bounds the queue, past any Envoy timeout.
+# Past grpcio's defaults (1,000, randomly up to 3,000) it cancels calls, an error Envoy lets through.
 MAX_PENDING_CALLS = 65536
+
 
 def grpc_options(*, reuse_port: bool) -> list[tuple[str, int]]:
     """The gRPC server's channel arguments. `reuse_port`: every worker binds the same port
