@@ -117,12 +117,13 @@ def at_caps() -> rls_pb2.RateLimitRequest:
     ids=["descriptors", "entries", "value", "key", "utf-8 value", "domain"],
 )
 def test_a_request_over_a_cap_is_named_by_its_first_fault(bad, reason):
-    assert reason in request_fault(bad)
+    assert reason in request_fault(bad, bad.ByteSize())
 
 
 def test_a_request_at_every_cap_and_a_frame_at_the_size_cap_pass():
-    assert request_fault(at_caps()) is None
-    assert request_fault(request("bounds", descriptor(("k", "\U0001f600" * (MAX_VALUE_BYTES // 4))))) is None
+    assert request_fault(at_caps(), at_caps().ByteSize()) is None
+    four_byte_characters = request("bounds", descriptor(("k", "\U0001f600" * (MAX_VALUE_BYTES // 4))))
+    assert request_fault(four_byte_characters, four_byte_characters.ByteSize()) is None
     assert frame_fault(MAX_MESSAGE_BYTES) is None
     assert frame_fault(MAX_MESSAGE_BYTES + 1) == "request of 262145 bytes is over the 262144-byte limit"
 
@@ -297,3 +298,16 @@ async def test_a_store_failure_on_64_descriptors_logs_one_bounded_line(rules):
     (line,) = failure_lines()
     assert "(rls.bounds.k-" in line and "=open x63, rls.bounds.closed-" in line and "=closed)" in line
     assert len(line) < 400
+
+
+async def test_with_the_store_down_a_local_rule_refuses_past_its_stand_ins_burst(rules, redis_server):
+    """`on_store_error: local` answers OVER_LIMIT once the in-process stand-in is empty, as
+    a shed RPC's does (it used to answer OK: only the store's own refusals counted)."""
+    async with running_gateway(config(redis_server.url, free_port(), rules)) as gw:
+        down = request("bounds", descriptor(("local", "store-down")))
+        redis_server.pause()
+        try:
+            codes = [(await gw.gateway.rls.should_rate_limit(down)).overall_code for _ in range(3)]
+        finally:
+            redis_server.resume()
+    assert codes == [OK, OK, OVER_LIMIT]

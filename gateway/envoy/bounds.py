@@ -54,18 +54,21 @@ def frame_fault(size: int) -> str | None:
     return None
 
 
-def request_fault(request: Any) -> str | None:
-    """Why a parsed RateLimitRequest is over a cap, or None. Stops at the first fault found."""
-    if _too_long(request.domain):
-        return f"domain is over the {MAX_VALUE_BYTES}-byte limit"
+def request_fault(request: Any, size: int) -> str | None:
+    """Why a parsed RateLimitRequest, from a frame of `size` bytes, is over a cap, or None.
+    Stops at the first fault found."""
     descriptors = request.descriptors
     if len(descriptors) > MAX_DESCRIPTORS:
         return f"{len(descriptors)} descriptors is over the limit of {MAX_DESCRIPTORS}"
     for i, descriptor in enumerate(descriptors):
-        entries = descriptor.entries
-        if len(entries) > MAX_ENTRIES:
-            return f"descriptors[{i}] has {len(entries)} entries, over the limit of {MAX_ENTRIES}"
-        for j, entry in enumerate(entries):
+        if len(descriptor.entries) > MAX_ENTRIES:
+            return f"descriptors[{i}] has {len(descriptor.entries)} entries, over the limit of {MAX_ENTRIES}"
+    if size <= MAX_VALUE_BYTES:  # no string in the frame is longer than the frame
+        return None
+    if _too_long(request.domain):
+        return f"domain is over the {MAX_VALUE_BYTES}-byte limit"
+    for i, descriptor in enumerate(descriptors):
+        for j, entry in enumerate(descriptor.entries):
             if _too_long(entry.key) or _too_long(entry.value):
                 return f"descriptors[{i}].entries[{j}]: a key or value is over the {MAX_VALUE_BYTES}-byte limit"
     return None

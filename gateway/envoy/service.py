@@ -202,7 +202,7 @@ def _request_of(data: bytes) -> Any:
         request = rls_pb2.RateLimitRequest.FromString(data)
     except DecodeError:
         return InvalidRequest("not a RateLimitRequest")
-    fault = request_fault(request)
+    fault = request_fault(request, len(data))
     return request if fault is None else InvalidRequest(fault)
 
 
