@@ -125,7 +125,7 @@ async def open_listeners(
                     rls = await stack.enter_async_context(
                         serving(
                             gateway.rls, address.host, address.port, reuse_port=reuse_port,
-                            max_in_flight=lambda: gateway.config.max_in_flight,
+                            max_in_flight=lambda: gateway.config.max_in_flight, on_shed=gateway.metrics.rls_shed.inc,
                         )
                     )
                 except OSError as exc:

@@ -258,6 +258,7 @@ async def test_past_max_in_flight_rpcs_are_answered_by_their_failure_policies(ru
     assert sorted(a.overall_code for a in answers) == [OK] + [OVER_LIMIT] * 49
     assert value(samples, "gateway_rls_descriptors_total", domain="bounds", decision="fail_closed") == 49
     assert value(samples, "gateway_rls_descriptors_total", domain="bounds", decision="allow") == 1
+    assert value(samples, "gateway_rls_shed_total") == 49
 
 
 async def test_a_shed_rpc_takes_each_rules_failure_policy_and_leaves_the_store_alone(rules, redis_server):

@@ -211,9 +211,10 @@ class _Servicer:
     finds `max_in_flight()` RPCs in flight is answered by its rules' failure policies,
     without the store: an error status would be Envoy's to decide (failure_mode_deny)."""
 
-    def __init__(self, service: RateLimitService, max_in_flight: Callable[[], int]) -> None:
+    def __init__(self, service: RateLimitService, max_in_flight: Callable[[], int], on_shed: Callable[[], None]) -> None:
         self._service = service
         self._max_in_flight = max_in_flight
+        self._on_shed = on_shed
         self._in_flight = 0
         self._last_shed_log = -SHED_LOG_INTERVAL
 
@@ -222,6 +223,7 @@ class _Servicer:
             if isinstance(request, InvalidRequest):
                 raise request
             if self._in_flight >= self._max_in_flight():
+                self._on_shed()
                 self._log_shed()
                 return await self._service.should_rate_limit(request, shed=True)
             self._in_flight += 1
@@ -257,16 +259,22 @@ class RlsServer:
 
 @contextlib.asynccontextmanager
 async def serving(
-    service: RateLimitService, host: str, port: int, *, max_in_flight: Callable[[], int], reuse_port: bool = False
+    service: RateLimitService,
+    host: str,
+    port: int,
+    *,
+    max_in_flight: Callable[[], int],
+    on_shed: Callable[[], None],
+    reuse_port: bool = False,
 ) -> AsyncIterator[RlsServer]:
     """Serve `service` on host:port until the block ends (or its stop); yields it bound. Raises
     OSError when the address cannot be bound. `max_in_flight`: the RPCs in flight past which
-    the failure policies answer (read on each RPC, so a reload changes it). `reuse_port`:
-    every worker binds the same port."""
+    the failure policies answer (read on each RPC, so a reload changes it); `on_shed` is told
+    of each. `reuse_port`: every worker binds the same port."""
     # maximum_concurrent_rpcs stays None: grpcio would answer RESOURCE_EXHAUSTED past it.
     server = grpc.aio.server(options=grpc_options(reuse_port=reuse_port), maximum_concurrent_rpcs=None)
     method = grpc.unary_unary_rpc_method_handler(
-        _Servicer(service, max_in_flight).should_rate_limit,
+        _Servicer(service, max_in_flight, on_shed).should_rate_limit,
         request_deserializer=_request_of,
         response_serializer=Response.SerializeToString,
     )
