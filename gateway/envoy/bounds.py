@@ -31,7 +31,7 @@ MAX_MESSAGE_BYTES = 256 * 1024
 GRPC_MAX_RECEIVE_BYTES = 4 * 1024 * 1024
 # 8 times Envoy's default for a cluster (max_requests: 1024): grpcio resets streams past it.
 MAX_STREAMS_PER_CONNECTION = 8192
-# Past grpcio's defaults (1,000, randomly up to 3,000) it cancels calls, an error Envoy lets through.
+# Past grpcio's defaults (1,000, then randomly; 3,000) it cancels calls, an error Envoy lets through.
 MAX_PENDING_CALLS = 65536
 
 
