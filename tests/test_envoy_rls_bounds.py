@@ -8,7 +8,9 @@ as users start it (`rls_listen`), on a private redis-server at the default 10 ms
   the public listener's burst-3 limit admitting exactly 3, with no store failure counted.
 - 2,000 concurrent RPCs on one channel against a fail-closed rule: every one answered, none
   an error status (grpcio's default pending-call limits cancelled some).
-- Past `max_in_flight`, RPCs are answered by their rules' failure policies, the store unasked.
+- Past `max_in_flight`, RPCs are answered by their rules' failure policies, the store unasked,
+  and counted in gateway_rls_shed_total; a `local` rule's stand-in refuses once empty, shed
+  or with the store down.
 - A store failure on a request of 64 descriptors logs one bounded line.
 """
 
