@@ -24,7 +24,8 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -33,6 +34,7 @@ from google.protobuf.message import DecodeError
 from gateway.config.model import FailurePolicy, GatewayConfig, Limit, RlsConfig, RlsRateLimit
 from gateway.config.reader import MAX_COUNT
 from gateway.config.rls import UNIT_SECONDS, override_limit
+from gateway.envoy.bounds import frame_fault, grpc_options, request_fault
 from gateway.envoy.descriptors import identity_of, rate_limit_of, request_over_limit, without_replaced
 from gateway.envoy.generated import rls_pb2
 from gateway.limiter.decision import Decision, LimitStatus, local_share
@@ -60,6 +62,8 @@ UNKNOWN_DOMAIN, UNMATCHED = "unknown", "unmatched"
 EXPORTED_DECISIONS = (ALLOW, DENY, SKIPPED, SHADOW_LIMITED, FAIL_OPEN, FAIL_CLOSED, FAIL_LOCAL, NO_ROOM, UNMATCHED)
 # On a stop without a drain, RPCs in flight get this long to finish; the limiter answers within a store timeout.
 STOP_GRACE = 1.0
+# RPCs shed in a flood; one line a second says enough.
+SHED_LOG_INTERVAL = 1.0
 
 
 class InvalidRequest(Exception):
@@ -84,8 +88,9 @@ class RateLimitService:
             for decision in EXPORTED_DECISIONS:
                 self._counted.labels(domain=domain, decision=decision)
 
-    async def should_rate_limit(self, request: Any) -> Any:
-        """The RateLimitResponse for a RateLimitRequest. Raises InvalidRequest."""
+    async def should_rate_limit(self, request: Any, *, shed: bool = False) -> Any:
+        """The RateLimitResponse for a RateLimitRequest (within gateway.envoy.bounds). Raises
+        InvalidRequest. `shed`: the failure policies answer, without the store."""
         if not request.domain:
             raise InvalidRequest("rate limit domain must not be empty")
         if not request.descriptors:
@@ -117,9 +122,9 @@ class RateLimitService:
             if limit is not None:
                 checks.append(LimitCheck(limit=limit, identity=identity_of(bucket_entries), cost=cost))
         if any(c.limit.shadow for c in checks):
-            decision = await self.limiter.check_with_shadow(checks)
+            decision = await self.limiter.check_with_shadow(checks, shed=shed)
         else:
-            decision = await self.limiter.check(checks)
+            decision = await self.limiter.check(checks, shed=shed)
         domain = request.domain if request.domain in self.rls.domains else UNKNOWN_DOMAIN
         outcomes = iter(decision.statuses)
         for limit in limits:
@@ -151,8 +156,13 @@ class RateLimitService:
                 continue
             limit_status = next(statuses)
             answered.append(limit_status)
-            # A quota-mode limit is checked as a shadow one: its refusal is the shadow's.
-            over = limit_status.outcome in REFUSED or (rate_limit.quota_mode and limit_status.outcome == SHADOW_LIMITED)
+            # A quota-mode limit is checked as a shadow one: its refusal is the shadow's. A
+            # local stand-in's refusal is a denial too.
+            over = (
+                limit_status.outcome in REFUSED
+                or (rate_limit.quota_mode and limit_status.outcome == SHADOW_LIMITED)
+                or (not decision.allowed and limit_status.denied)
+            )
             status.code = OVER_LIMIT if over else OK
             status.current_limit.requests_per_unit = rate_limit.requests_per_unit
             status.current_limit.unit = UNITS[rate_limit.unit]
@@ -190,27 +200,53 @@ def _remaining_and_reset(limit: Limit, status: LimitStatus) -> tuple[int, int]:
 
 
 def _request_of(data: bytes) -> Any:
-    """The RateLimitRequest in a frame, or None: grpcio would log a traceback for a frame
-    protobuf cannot parse, and answer it with a status that says nothing of why."""
+    """The RateLimitRequest in a frame, or the InvalidRequest that refuses it: grpcio would log
+    a traceback for a frame protobuf cannot parse, and answer it with a status that says
+    nothing of why. The frame's size is checked before protobuf spends time on it."""
+    fault = frame_fault(len(data))
+    if fault is not None:
+        return InvalidRequest(fault)
     try:
-        return rls_pb2.RateLimitRequest.FromString(data)
+        request = rls_pb2.RateLimitRequest.FromString(data)
     except DecodeError:
-        return None
+        return InvalidRequest("not a RateLimitRequest")
+    fault = request_fault(request, len(data))
+    return request if fault is None else InvalidRequest(fault)
 
 
 class _Servicer:
-    """grpcio's side: a request the service refuses becomes its gRPC status."""
+    """grpcio's side: a request the service refuses becomes its gRPC status, and one that
+    finds `max_in_flight()` RPCs in flight is answered by its rules' failure policies,
+    without the store: an error status would be Envoy's to decide (failure_mode_deny)."""
 
-    def __init__(self, service: RateLimitService) -> None:
+    def __init__(self, service: RateLimitService, max_in_flight: Callable[[], int], on_shed: Callable[[], None]) -> None:
         self._service = service
+        self._max_in_flight = max_in_flight
+        self._on_shed = on_shed
+        self._in_flight = 0
+        self._last_shed_log = -SHED_LOG_INTERVAL
 
     async def should_rate_limit(self, request: Any, context: Any) -> Any:
         try:
-            if request is None:
-                raise InvalidRequest("not a RateLimitRequest")
-            return await self._service.should_rate_limit(request)
+            if isinstance(request, InvalidRequest):
+                raise request
+            if self._in_flight >= self._max_in_flight():
+                self._on_shed()
+                self._log_shed()
+                return await self._service.should_rate_limit(request, shed=True)
+            self._in_flight += 1
+            try:
+                return await self._service.should_rate_limit(request)
+            finally:
+                self._in_flight -= 1
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def _log_shed(self) -> None:
+        now = time.monotonic()
+        if now - self._last_shed_log >= SHED_LOG_INTERVAL:
+            self._last_shed_log = now
+            log.warning("%d RPCs in flight (max_in_flight): failure policies answer the next ones", self._in_flight)
 
 
 class RlsServer:
@@ -230,13 +266,23 @@ class RlsServer:
 
 
 @contextlib.asynccontextmanager
-async def serving(service: RateLimitService, host: str, port: int, *, reuse_port: bool = False) -> AsyncIterator[RlsServer]:
+async def serving(
+    service: RateLimitService,
+    host: str,
+    port: int,
+    *,
+    max_in_flight: Callable[[], int],
+    on_shed: Callable[[], None],
+    reuse_port: bool = False,
+) -> AsyncIterator[RlsServer]:
     """Serve `service` on host:port until the block ends (or its stop); yields it bound. Raises
-    OSError when the address cannot be bound. `reuse_port`: every worker binds the same port
-    (grpcio's own default, which would otherwise let a second gateway share ours silently)."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if reuse_port else 0)])
+    OSError when the address cannot be bound. `max_in_flight`: the RPCs in flight past which
+    the failure policies answer (read on each RPC, so a reload changes it); `on_shed` is told
+    of each. `reuse_port`: every worker binds the same port."""
+    # maximum_concurrent_rpcs stays None: grpcio would answer RESOURCE_EXHAUSTED past it.
+    server = grpc.aio.server(options=grpc_options(reuse_port=reuse_port), maximum_concurrent_rpcs=None)
     method = grpc.unary_unary_rpc_method_handler(
-        _Servicer(service).should_rate_limit,
+        _Servicer(service, max_in_flight, on_shed).should_rate_limit,
         request_deserializer=_request_of,
         response_serializer=Response.SerializeToString,
     )

@@ -35,7 +35,9 @@ never over-admission).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -81,6 +83,8 @@ log = logging.getLogger(__name__)
 
 # Store failures come in floods; one line a second says enough.
 FAILURE_LOG_INTERVAL = 1.0
+# Limits a failure line names; a route has a few, an Envoy request up to 64 descriptors.
+LOGGED_LIMITS = 5
 
 
 
@@ -114,6 +118,16 @@ def _seats(checks: Sequence[LimitCheck], waited: Wave) -> int:
             tokens = left + (elapsed + limit.max_delay) * limit.rate.per_second
         seats = min(seats, int(tokens // check.cost))
     return seats
+
+
+def _policies_named(checks: Sequence[LimitCheck]) -> str:
+    """The checks' limits and policies for a log line, each named once with its count and
+    at most LOGGED_LIMITS of them: one request may carry many checks of one limit."""
+    counts = collections.Counter(f"{c.limit.name}={c.limit.on_store_error.value}" for c in checks)
+    named = [name if n == 1 else f"{name} x{n}" for name, n in itertools.islice(counts.items(), LOGGED_LIMITS)]
+    if len(counts) > LOGGED_LIMITS:
+        named.append(f"{len(counts) - LOGGED_LIMITS} more limits")
+    return ", ".join(named)
 
 
 class Limiter:
@@ -168,9 +182,13 @@ class Limiter:
             local_store=local_store(),
         )
 
-    async def check(self, checks: Sequence[LimitCheck]) -> Decision:
+    async def check(self, checks: Sequence[LimitCheck], *, shed: bool = False) -> Decision:
+        """`shed`: the caller is past its in-flight cap; the failure policies answer at once,
+        without the store, its breaker or the caches."""
         if not checks:
             return UNLIMITED
+        if shed:
+            return self._by_policies(checks)
         if self._resets is not None:
             self._apply_sibling_resets(self._resets)
         # The stand-in is checked only while the store fails: without this, the buckets of
@@ -195,11 +213,11 @@ class Limiter:
                     self.top_limited.denied(c.limit.name, c.identity, now)
         return decision
 
-    async def check_with_shadow(self, checks: Sequence[LimitCheck]) -> Decision:
+    async def check_with_shadow(self, checks: Sequence[LimitCheck], *, shed: bool = False) -> Decision:
         """`check` for checks of which some are shadow limits: only the enforced ones decide."""
         enforced = [c for c in checks if not c.limit.shadow]
         shadows = [c for c in checks if c.limit.shadow]
-        main, *shadowed = await asyncio.gather(self.check(enforced), *(self.check((c,)) for c in shadows))
+        main, *shadowed = await asyncio.gather(self.check(enforced, shed=shed), *(self.check((c,), shed=shed) for c in shadows))
         enforced_statuses = iter(main.statuses)
         shadow_statuses = (as_shadow(d.statuses[0]) for d in shadowed)
         statuses = tuple(next(shadow_statuses) if c.limit.shadow else next(enforced_statuses) for c in checks)
@@ -392,8 +410,11 @@ class Limiter:
         now = time.monotonic()
         if now - self._last_failure_log >= FAILURE_LOG_INTERVAL:
             self._last_failure_log = now
-            named = ", ".join(f"{c.limit.name}={c.limit.on_store_error.value}" for c in checks)
-            log.warning("store failed, applying failure policies (%s): %s", named, exc)
+            log.warning("store failed, applying failure policies (%s): %.200s", _policies_named(checks), exc)
+        return self._by_policies(checks)
+
+    def _by_policies(self, checks: Sequence[LimitCheck]) -> Decision:
+        """Each limit's failure policy decides, the store unasked."""
         policies = [c.limit.on_store_error for c in checks]
         if FailurePolicy.CLOSED in policies:
             statuses = tuple(LimitStatus(c.limit, c.cost, None, FAILURE_OUTCOME[c.limit.on_store_error]) for c in checks)
