@@ -254,15 +254,18 @@ def _rls_lines(rls: RlsConfig) -> list[str]:
     return lines
 
 
-def _rls_rules(node: RlsDescriptor, parents: tuple[str, ...]) -> list[tuple[str, str]]:
-    below = [(selector, child) for selector, child in node.children.items()]
-    below += [(f"{key}_{prefix}*", child) for key, prefix, child in node.prefixes]
+def _rls_rules(node: RlsDescriptor, parents: tuple[str, ...], shared: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """(path, rule) of each rate limit below `node`; `shared`: the share_threshold wildcards on the way."""
     rules = []
-    for selector, child in below:
+    for selector, child in node.children.items():
         path = (*parents, selector)
+        sharing = (*shared, selector) if child.shared else shared
         if child.rate_limit is not None:
-            rules.append((" > ".join(path), _rls_rule(child.rate_limit)))
-        rules.extend(_rls_rules(child, path))
+            rule = _rls_rule(child.rate_limit)
+            if sharing:
+                rule += f", one bucket for all values of {' and '.join(sharing)}"
+            rules.append((" > ".join(path), rule))
+        rules.extend(_rls_rules(child, path, sharing))
     return rules
 
 
@@ -271,11 +274,15 @@ def _rls_rule(rate_limit: RlsRateLimit) -> str:
     if limit is None:
         return "unlimited"
     rule = f"{rate_limit.requests_per_unit}/{rate_limit.unit}, {'fixed window' if limit.quota else 'token bucket'}"
+    if not rate_limit.requests_per_unit:
+        rule += " (always over the limit)"
     rule += f", on_store_error {limit.on_store_error.value}"
-    if limit.shadow:
+    if limit.shadow and not rate_limit.quota_mode:
         rule += ", shadow mode"
     if rate_limit.charge_always:
         rule += ", charge always"
+    if rate_limit.quota_mode:
+        rule += ", quota mode"
     if rate_limit.name:
         rule += f", name {rate_limit.name}"
     if rate_limit.replaces:

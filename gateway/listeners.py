@@ -123,7 +123,10 @@ async def open_listeners(
                 address = config.rls.listen
                 try:
                     rls = await stack.enter_async_context(
-                        serving(gateway.rls, address.host, address.port, reuse_port=reuse_port)
+                        serving(
+                            gateway.rls, address.host, address.port, reuse_port=reuse_port,
+                            max_in_flight=lambda: gateway.config.max_in_flight, on_shed=gateway.metrics.rls_shed.inc,
+                        )
                     )
                 except OSError as exc:
                     raise StartupError(f"cannot listen on {address} (rls_listen): {os_reason(exc)}") from None

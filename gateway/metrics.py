@@ -263,6 +263,12 @@ class Metrics:
             "(the limiter's, or `unmatched` for a descriptor without a rate limit).",
             ["domain", "decision"], **files,
         ))
+        self.rls_shed = add(counter(
+            "gateway_rls_shed",
+            "RPCs of Envoy's rate-limit service answered by their rules' failure policies, the store unasked, because "
+            "max_in_flight were already in flight.",
+            **files,
+        ))
         self.decision_requests = add(counter(
             "gateway_decision_requests",
             "Questions answered on the decision listener, by the proxy's mode (nginx, traefik, envoy) and the gateway's "

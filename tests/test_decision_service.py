@@ -8,32 +8,31 @@
   and the RateLimit fields, mapped back from the gateway's 403.
 - Traefik's and Envoy's contracts, with the requests they document sending: allow, deny
   (429 with the fields), a fail-closed limit on a dead store (503), an untrusted peer
-  (400, charged nothing) and malformed original-request headers (400).
+  (400, charged nothing) and missing original-request headers (400); what the original
+  request holds is refused as the client's doing (tests/test_decision_targets.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
-import shutil
 import socket
-import subprocess
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from tests.processes import GatewayProcess, RedisServer, free_port, run_cli, wait_until
+from tests.beside_proxies import running_nginx
+from tests.processes import GatewayProcess, RedisServer, free_port, run_cli
 from tests.scrape import scrape, settled_decisions, value
 from tests.upstream import RecordingUpstream, serving
 
 pytestmark = pytest.mark.timing  # measures exactness under load: one such module runs at a time
 
-ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "beside-proxies.md"
 BURST = 200
 WRK_SECONDS = 3
 WRK_CONNECTIONS = 25  # per nginx: 50 in all
@@ -58,63 +57,6 @@ def gateway_config(url: str, *, burst: int = BURST, policy: str = "open", timeou
     port = free_port()
     store_timeout = f", timeout: {timeout}" if timeout else ""
     return CONFIG.format(decision_port=port, url=url, burst=burst, policy=policy, timeout=store_timeout), port
-
-
-def nginx_snippet() -> str:
-    """The docs page's one nginx block, as a reader copies it."""
-    blocks = re.findall(r"```nginx\n(.*?)```", DOC.read_text(encoding="utf-8"), re.DOTALL)
-    assert len(blocks) == 1
-    return blocks[0]
-
-
-@contextlib.contextmanager
-def running_nginx(*, decision_port: int, upstream_port: int) -> Iterator[str]:
-    """nginx with the docs' snippet on a free port, the gateway's decision listener and
-    the upstream put where the snippet names 8081 and 3000; yields its URL."""
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-    port = free_port()
-    snippet = (
-        nginx_snippet()
-        .replace("127.0.0.1:8081", f"127.0.0.1:{decision_port}")
-        .replace("127.0.0.1:3000", f"127.0.0.1:{upstream_port}")
-        .replace("listen 127.0.0.1:8080", f"listen 127.0.0.1:{port}")
-    )
-    with tempfile.TemporaryDirectory(prefix="nginx-test-") as directory:
-        root = Path(directory)
-        for temp in ("body", "proxy"):
-            (root / temp).mkdir()
-        (root / "nginx.conf").write_text(
-            f"""worker_processes 1;
-pid {root}/nginx.pid;
-error_log {root}/error.log warn;
-events {{ worker_connections 1024; }}
-http {{
-    access_log off;
-    client_body_temp_path {root}/body;
-    proxy_temp_path {root}/proxy;
-{snippet}
-}}
-""",
-            encoding="utf-8",
-        )
-        process = subprocess.Popen(
-            [nginx, "-p", str(root), "-e", str(root / "error.log"), "-c", "nginx.conf", "-g", "daemon off;"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        try:
-            wait_until(lambda: _answers(port) or process.poll() is not None, what="nginx to listen")
-            if process.poll() is not None:
-                raise AssertionError("nginx did not start: " + (root / "error.log").read_text())
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            process.terminate()
-            process.wait(10)
-
-
-def _answers(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def wrk_counts(output: str) -> tuple[int, int]:
@@ -236,9 +178,15 @@ async def test_fail_closed_on_a_dead_store(style: str) -> None:
     async with decision_gateway(dead, policy="closed") as url, aiohttp.ClientSession() as client:
         answer = await ask(client, url, style, "k1")
         body = await answer.json(content_type=None)
-    assert answer.status == 503
+    # Envoy takes any 5xx from its authorization service as the service failing, which
+    # failure_mode_allow lets through: its refusal is a 429 that says what happened.
+    expected = 503 if style == "traefik" else 429
+    assert answer.status == expected
     assert answer.headers["Retry-After"] == "1"
-    assert body["status"] == 503
+    assert body["status"] == expected
+    assert body["type"].endswith("#temporary-reduced-capacity")
+    assert answer.headers.get("X-Gateway-Status") == (None if style == "traefik" else "503")
+    assert int(answer.headers["Content-Length"]) == len(json.dumps(body).encode())
 
 
 async def test_an_untrusted_peer_gets_400_and_is_charged_nothing() -> None:
@@ -401,13 +349,22 @@ async def test_routes_and_the_client_address_are_the_original_requests() -> None
     assert "reads" in reads[0][1]
 
 
-async def test_nginx_hears_a_refused_original_request_as_a_denial() -> None:
-    """A path the path rule refuses is the client's doing: nginx is told 403 (its 500
-    would page someone), the gateway's 400 in X-Gateway-Status. A question that is not
-    one (no X-Original-URI) stays 400: that is the snippet's fault."""
+@pytest.mark.parametrize(
+    ("method", "uri", "answer"),
+    [
+        ("GET", "/api/%00", (403, "400")),  # a path the path rule refuses
+        ("GE T", "/api/items", (403, "400")),  # a method the public listener refuses
+        ("GET", "api/items", (403, "400")),  # a target that is not origin-form
+        ("GET", "", (400, None)),  # an empty X-Original-URI: the snippet's doing
+    ],
+)
+async def test_nginx_hears_a_refused_original_request_as_a_denial(method: str, uri: str, answer: tuple) -> None:
+    """What the original request holds is the client's doing: refused, nginx is told 403
+    (its 500 would page someone), the gateway's 400 in X-Gateway-Status. A question that
+    is not one (an X-Original-URI missing or empty) stays 400: that is the snippet's fault."""
     with RedisServer(dedicated=True) as redis_server:
         async with decision_gateway(redis_server.url) as url, aiohttp.ClientSession() as client:
-            base = {"X-Original-Method": "GET", "Host": "shop.example", "X-API-Key": "k1"}
-            async with client.get(url + "/decide/nginx", headers={**base, "X-Original-URI": "/api/%00"}) as refused:
+            base = {"X-Original-Method": method, "Host": "shop.example", "X-API-Key": "k1"}
+            async with client.get(url + "/decide/nginx", headers={**base, "X-Original-URI": uri}) as refused:
                 status, gateway_status = refused.status, refused.headers.get("X-Gateway-Status")
-    assert (status, gateway_status) == (403, "400")
+    assert (status, gateway_status) == answer

@@ -1,10 +1,11 @@
 """What a client that mints long identities can make the gateway hold.
 
-An identity value is capped at MAX_IDENTITY_LENGTH characters (431 past it, never charged
-or forwarded), and the gateway's per-identity memory (the denial cache, leased tokens)
-holds a long identity by a 16-byte digest, so each remembered client costs the same few
-hundred bytes whatever length it chose. Memory is measured with tracemalloc for the
-structures alone, and as the RSS of a gateway process for a flood."""
+An identity value is capped at `identity_max_length` characters (8 KiB by default: 431
+past it, never charged or forwarded), and the gateway's per-identity memory (the denial
+cache, leased tokens, the store's cache of bucket keys) holds a long identity by a
+16-byte digest, so each remembered client costs the same few hundred bytes whatever
+length it chose. Memory is measured with tracemalloc for the structures alone, and as
+the RSS of a gateway process for a flood."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ import tracemalloc
 import aiohttp
 import pytest
 
-from gateway.identity.sources import MAX_IDENTITY_LENGTH
+from gateway.config.model import DEFAULT_IDENTITY_MAX_LENGTH
 from gateway.limiter.denial_cache import DenialCache
-from gateway.limiter.keys import COMPACT_IDENTITY, memory_key
+from gateway.limiter.keys import COMPACT_IDENTITY, HeldByDigest, listed_identity, memory_key
 from gateway.limiter.store import LimitCheck
 from gateway.limiter.token_leases import Leases
+from gateway.limiter.top_limited import TopLimited
 from gateway.testing import running_gateway
 from tests.helpers import flood
 from tests.processes import GatewayProcess
@@ -27,7 +29,7 @@ from tests.upstream import CountingUpstream, serving
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
 
-def long_identity(i: int, length: int = MAX_IDENTITY_LENGTH) -> str:
+def long_identity(i: int, length: int = DEFAULT_IDENTITY_MAX_LENGTH) -> str:
     return f"header:x-api-key={i:08d}".ljust(length, "k")
 
 
@@ -40,8 +42,8 @@ def test_a_long_identity_is_held_by_a_digest_and_a_short_one_as_itself():
 
 
 def test_denials_of_identities_of_the_longest_length_cost_what_short_ones_do():
-    """20,000 denied clients of 1,024-character identities: held as raw strings, the cache
-    took over 20 MB; by digest, under 8 MB."""
+    """20,000 denied clients of identities at the cap (8 KiB): held as raw strings, the
+    cache would take over 160 MB; by digest, under 8 MB."""
     per_client = limit(rate="1/hour", burst=1)
     cache = DenialCache()
     tracemalloc.start()
@@ -72,9 +74,35 @@ def test_leased_tokens_of_a_long_identity_are_found_by_it():
     assert leases.unspent(check) == 0
 
 
+def test_the_top_limited_list_holds_long_identities_by_their_digest():
+    """2,000 denied clients of identities at the cap, the most it holds: held as sent, the
+    list took 16 MB."""
+    top = TopLimited(now=0.0)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(1_999):
+            top.denied("per_key", long_identity(i), now=1.0 if i < 1_000 else 61.0)  # two epochs
+        top.denied("per_key", long_identity(7), now=61.0)  # denied in both
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(top) == 2_000
+    assert held < 2 * 1024 * 1024, f"{held / 1024 / 1024:.1f} MB for 2,000 long identities"
+    counts = {hit.key: hit.count for hit in top.top(2_000, now=61.0)}
+    held_as = listed_identity(long_identity(7))
+    assert isinstance(held_as, HeldByDigest) and str(held_as).startswith("header:x-api-key#")
+    assert counts["per_key", held_as] == 2
+    assert listed_identity("header:x-api-key=short") == "header:x-api-key=short"
+
+
 async def test_an_identity_past_the_cap_gets_431_and_is_neither_charged_nor_forwarded():
+    """With a cap of 1 KiB: at the default, one header line (8,190 bytes at most, as llhttp
+    reads it) cannot pass the cap (tests/test_identity_length.py has a composite key that does)."""
     upstream = CountingUpstream()
+    cap = 1024
     config = """
+identity_max_length: 1KiB
 limits:
   per_key: {{rate: 1/hour, burst: 1, key: header:X-API-Key}}
 routes:
@@ -84,25 +112,24 @@ routes:
 """
     async with serving(upstream.handle) as url, running_gateway(config.format(url=url)) as gw:
         async with aiohttp.ClientSession() as http:
-            at_cap = "k" * MAX_IDENTITY_LENGTH
+            at_cap = "k" * cap
             async with http.get(gw.url + "/a", headers={"X-API-Key": at_cap + "k"}) as response:
                 assert response.status == 431
                 problem = await response.json(content_type=None)
-            assert str(MAX_IDENTITY_LENGTH) in problem["detail"] and at_cap not in problem["detail"]
+            assert str(cap) in problem["detail"] and at_cap not in problem["detail"]
             # Nothing was charged: the key at the cap still has its one token.
             async with http.get(gw.url + "/a", headers={"X-API-Key": at_cap}) as response:
                 assert response.status == 200
             async with http.get(gw.url + "/a", headers={"X-API-Key": at_cap}) as response:
                 assert response.status == 429
-    assert set(upstream.most) == {"k" * MAX_IDENTITY_LENGTH}  # the key past the cap never reached it
+    assert set(upstream.most) == {"k" * cap}  # the key past the cap never reached it
 
 
 async def test_a_flood_of_distinct_long_keys_leaves_the_gateways_memory_where_it_was(upstream, redis_server):
-    """8,000 requests, each with its own 8,000-byte key against a burst-1 limit: the keys
-    used to be held whole in the denial cache (about 8.6 KB an entry, 70 MB for these);
-    now each is refused at the cap. Then as many keys at the cap, each allowed once and so
-    remembered as denied: 5.3 MB in all here, where the store's cache of bucket keys,
-    holding each identity whole, had added 13 MB for these alone."""
+    """8,000 requests, each with its own 8,000-byte key against a burst-1 limit (under the
+    8 KiB cap), each allowed and so remembered as denied; then each key again, denied. Held
+    whole, the keys took about 8.6 KB an entry in the denial cache (70 MB for these) and
+    as much again in the store's cache of bucket keys; by digest, a few MB in all."""
     config = f"""
 listen: 127.0.0.1:0
 admin_listen: 127.0.0.1:0
@@ -119,10 +146,11 @@ routes:
             async with http.get(gateway.url + "/warm", headers={"X-API-Key": "warm"}) as response:
                 assert response.status == 200
             start = gateway.rss_bytes()
-            lengths = [8_000] * 8_000 + [MAX_IDENTITY_LENGTH - len("header:x-api-key=")] * 8_000
-            keys = (f"{n:08d}".ljust(length, "k") for n, length in enumerate(lengths))
-            statuses = await flood(http, gateway.url + "/x", keys)
+            keys = [f"{n:08d}".ljust(8_000, "k") for n in range(8_000)]
+            first = await flood(http, gateway.url + "/x", keys)
+            again = await flood(http, gateway.url + "/x", keys)
             grown = gateway.rss_bytes() - start
-    print(f"\nFIGURES RSS {start / 1024 / 1024:.0f} MB -> +{grown / 1024 / 1024:.1f} MB after {statuses}")
-    assert statuses == {431: 8_000, 200: 8_000}, statuses
+    print(f"\nFIGURES RSS {start / 1024 / 1024:.0f} MB -> +{grown / 1024 / 1024:.1f} MB after {first}, then {again}")
+    assert first == {200: 8_000}, first
+    assert again == {429: 8_000}, again
     assert grown < 10 * 1024 * 1024, f"RSS grew by {grown / 1024 / 1024:.1f} MB"

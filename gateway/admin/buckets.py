@@ -17,7 +17,7 @@ from aiohttp import web
 from gateway.config.model import ConcurrencyLimit, GatewayConfig, IdentitySource, Limit
 from gateway.identity.sources import identity_value
 from gateway.identity.tiers import tier_of
-from gateway.limiter.keys import PROCESS_SECRET, identity_digest
+from gateway.limiter.keys import PROCESS_SECRET, HeldByDigest, identity_digest
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.store import StoreError
 from gateway.proxy.problem import PROBLEM_CONTENT_TYPE, problem_body
@@ -102,7 +102,8 @@ class BucketApi:
             raise _bad_request(f"n must be a whole number from 1 to {sketch.capacity}.")
         clients = []
         for hit in sketch.top(int(text), time.monotonic()):
-            name, identity = cast(tuple[str, str], hit.key)  # the limiter records (limit name, identity)
+            # The limiter records (limit name, identity as listed_identity keeps it).
+            name, identity = cast(tuple[str, str | HeldByDigest], hit.key)
             clients.append({"limit": name, "identity": self._shown(identity), "denials": hit.count, "error": hit.error})
         return web.json_response(
             {
@@ -151,7 +152,9 @@ class BucketApi:
         source = identity.partition("=")[0]
         return {"limit": limit.name, "source": source, "identity": self._shown(identity)}
 
-    def _shown(self, identity: str) -> str:
+    def _shown(self, identity: str | HeldByDigest) -> str:
+        if isinstance(identity, HeldByDigest):
+            return str(identity)  # a long identity is kept hashed only, raw identities or not
         if self._config.admin_raw_identities:
             return identity
         source, _, _ = identity.partition("=")

@@ -20,6 +20,7 @@ import yaml
 from gateway.config import safe_yaml
 from gateway.config.limits import _concurrency_limit, _limit, _network, _response
 from gateway.config.model import (
+    DEFAULT_IDENTITY_MAX_LENGTH,
     ClientIpStrategy,
     ClientLimits,
     ConcurrencyLimit,
@@ -121,10 +122,10 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         optional=(
             "listen", "admin_listen", "workers", "max_in_flight", "store", "trusted_proxies", "limits",
             "shutdown_grace", "forwarded_headers", "jwt", "path_normalization", "admin_token_env",
-            "admin_raw_identities", "admin_hosts",
+            "admin_raw_identities", "admin_hosts", "identity_max_length",
             "client_header_timeout", "client_body_timeout", "keepalive_timeout", "keepalive_requests",
             "max_header_size", "upstream_connections", "access_log", "response", "max_delayed", "client_ip",
-            "local_store_memory", "rls_listen", "rls_config", "decision_listen",
+            "local_store_memory", "rls_listen", "rls_config", "rls_merge_domains", "decision_listen",
         ),
     )
     listen, listen_backlog, listen_tls = _listen(top.get("listen", DEFAULT_LISTEN), r)
@@ -199,7 +200,10 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         rls_listen = r.parsed(parse_address, top["rls_listen"], "rls_listen")
         if workers > 1 and rls_listen.port == 0:
             r.fail("rls_listen", f"port 0 needs workers: 1; with workers: {workers} each worker would get a different port")
-        rls = rls_config(rls_listen, top["rls_config"], r)
+        merge = r.boolean(top.get("rls_merge_domains", False), "rls_merge_domains")
+        rls = rls_config(rls_listen, top["rls_config"], r, merge_domains=merge)
+    elif "rls_merge_domains" in top:
+        r.fail("rls_merge_domains", "applies to the files of rls_config, which this config does not have")
     routes_doc = r.sequence(top["routes"], "routes")
     if not routes_doc:
         r.fail("routes", "expected at least one route")
@@ -247,6 +251,9 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         concurrency_limits=tuple(limit for limit in limits.values() if isinstance(limit, ConcurrencyLimit)),
         max_delayed=r.integer(top.get("max_delayed", DEFAULT_MAX_DELAYED), "max_delayed", minimum=1),
         client_ip=client_ip,
+        identity_max_length=r.parsed(
+            parse_size, top.get("identity_max_length", DEFAULT_IDENTITY_MAX_LENGTH), "identity_max_length"
+        ),
         local_store_memory=r.parsed(
             parse_size, top.get("local_store_memory", DEFAULT_LOCAL_STORE_MEMORY), "local_store_memory"
         ),

@@ -419,6 +419,13 @@ class ListenTls:
 DEFAULT_LISTEN_BACKLOG = 1024
 
 
+# The longest identity value a limit reads. Bearer JWTs from Azure AD and Okta run to 2 KB
+# and more with group claims; 8 KiB is nginx's header buffer and llhttp's header line, so
+# any value one header line carries fits. What the gateway remembers per identity is
+# bounded by its digest (gateway.limiter.keys.memory_key), not by this.
+DEFAULT_IDENTITY_MAX_LENGTH = 8 * 1024
+
+
 @dataclass(frozen=True, kw_only=True)
 class GatewayConfig:
     source: str
@@ -452,6 +459,8 @@ class GatewayConfig:
     concurrency_limits: tuple[ConcurrencyLimit, ...] = ()
     max_delayed: int = 256  # requests one worker process holds waiting out a `mode: delay` wait; more are rejected
     client_ip: ClientIpStrategy = ClientIpStrategy()  # how a trusted proxy's header names the client
+    # The longest identity value (characters) a limit reads; a longer one gets 431.
+    identity_max_length: int = DEFAULT_IDENTITY_MAX_LENGTH
     # Bytes each in-process store may hold per worker: the store without `store:`, and the
     # stand-ins of `on_store_error: local`. Past it, the least recently checked bucket goes.
     local_store_memory: int = 32 * 1024 * 1024
@@ -471,10 +480,13 @@ class RlsRateLimit:
 
     limit: Limit | None  # None: `unlimited: true`, never counted
     unit: str  # as Envoy's RateLimit.Unit names it, lower case: "second" ... "year"
-    requests_per_unit: int
+    requests_per_unit: int  # 0: every request that costs anything is over the limit
     name: str = ""  # `rate_limit.name`, what another rate_limit's `replaces` refers to
     replaces: tuple[str, ...] = ()
-    quota_mode: bool = False  # the descriptor's `quota_mode`
+    # The descriptor's `quota_mode` (without shadow_mode): `limit` is checked as a shadow one, and
+    # its refusal refuses the request only when every quota-mode limit of it refuses.
+    quota_mode: bool = False
+    metadata: Mapping[str, Any] = field(default_factory=dict, compare=False)  # the descriptor's `metadata`
     charge_always: bool = False  # `charge: always`: every hit is charged, refused or not, into debt
 
 
@@ -482,11 +494,15 @@ class RlsRateLimit:
 class RlsDescriptor:
     """A node of a domain's descriptor tree: its rate limit, if it has one, and the nodes
     below it, by `key_value` for those with a value and by `key` for those without (any
-    value matches, each value its own bucket). `prefixes`: values ending in `*`."""
+    value matches, each value its own bucket). `wildcards`: the nodes whose value holds a
+    `*`, in the order of the files, as (key, the value split on `*`, selector in children).
+    `shared`: `share_threshold`, every value its wildcard matches counts in one bucket."""
 
     rate_limit: RlsRateLimit | None
     children: Mapping[str, RlsDescriptor] = field(default_factory=dict, compare=False)
-    prefixes: tuple[tuple[str, str, RlsDescriptor], ...] = field(default=(), compare=False)  # (key, prefix, node)
+    wildcards: tuple[tuple[str, tuple[str, ...], str], ...] = ()
+    value: str = ""  # as written in the file: the pattern a shared node's buckets are keyed by
+    shared: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

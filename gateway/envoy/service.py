@@ -28,7 +28,8 @@ import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -37,7 +38,8 @@ from google.protobuf.message import DecodeError
 from gateway.config.model import FailurePolicy, GatewayConfig, Limit, RlsConfig, RlsRateLimit
 from gateway.config.reader import MAX_COUNT
 from gateway.config.rls import UNIT_SECONDS, override_limit
-from gateway.envoy.descriptors import identity_of, rate_limit_of, without_replaced
+from gateway.envoy.bounds import frame_fault, grpc_options, request_fault
+from gateway.envoy.descriptors import identity_of, rate_limit_of, request_over_limit, without_replaced
 from gateway.envoy.generated import rls_pb2
 from gateway.limiter.decision import Decision, LimitStatus, local_share
 from gateway.limiter.limiter import Limiter
@@ -64,6 +66,8 @@ UNKNOWN_DOMAIN, UNMATCHED = "unknown", "unmatched"
 EXPORTED_DECISIONS = (ALLOW, DENY, SKIPPED, SHADOW_LIMITED, FAIL_OPEN, FAIL_CLOSED, FAIL_LOCAL, NO_ROOM, UNMATCHED)
 # On a stop without a drain, RPCs in flight get this long to finish; the limiter answers within a store timeout.
 STOP_GRACE = 1.0
+# RPCs shed in a flood; one line a second says enough.
+SHED_LOG_INTERVAL = 1.0
 
 
 class InvalidRequest(Exception):
@@ -88,8 +92,9 @@ class RateLimitService:
             for decision in EXPORTED_DECISIONS:
                 self._counted.labels(domain=domain, decision=decision)
 
-    async def should_rate_limit(self, request: Any) -> Any:
-        """The RateLimitResponse for a RateLimitRequest. Raises InvalidRequest."""
+    async def should_rate_limit(self, request: Any, *, shed: bool = False) -> Any:
+        """The RateLimitResponse for a RateLimitRequest (within gateway.envoy.bounds). Raises
+        InvalidRequest. `shed`: the failure policies answer, without the store."""
         if not request.domain:
             raise InvalidRequest("rate limit domain must not be empty")
         if not request.descriptors:
@@ -97,6 +102,7 @@ class RateLimitService:
         default_cost = request.hits_addend or 1
         known = request.domain in self.rls.domains
         found: list[RlsRateLimit | None] = []
+        keyed: list[Sequence[tuple[str, str]]] = []  # the entries each bucket is keyed by
         costs: list[int] = []
         for descriptor in request.descriptors:
             entries = [(entry.key, entry.value) for entry in descriptor.entries]
@@ -105,33 +111,35 @@ class RateLimitService:
                 raise InvalidRequest(f"hits_addend {cost} is more than any bucket holds ({MAX_COUNT})")
             costs.append(cost)
             rate_limit: RlsRateLimit | None
+            bucket_entries: Sequence[tuple[str, str]] = entries
             if not known:  # as envoyproxy/ratelimit: an unknown domain has no limits, overrides included
                 rate_limit = None
             elif descriptor.HasField("limit"):
                 rate_limit = self._override(request.domain, descriptor.limit)
             else:
-                rate_limit = rate_limit_of(self.rls.domains, request.domain, entries)
+                rate_limit, bucket_entries = rate_limit_of(self.rls.domains, request.domain, entries)
             found.append(rate_limit)
+            keyed.append(bucket_entries)
         # Unlimited before `replaces`: an unlimited descriptor answers so even when replaced.
         unlimited = [rl is not None and rl.limit is None for rl in found]
         found = without_replaced(found)
         checks: list[LimitCheck] = []
         slots: list[int | None] = []  # per descriptor: its check, None when it has no limit
         seen: dict[tuple[int, str], int] = {}  # (limit, identity) -> its check
-        for rate_limit, descriptor, cost in zip(found, request.descriptors, costs):
+        for rate_limit, bucket_entries, cost in zip(found, keyed, costs):
             limit = rate_limit.limit if rate_limit is not None else None
             if limit is not None:
-                entries = [(entry.key, entry.value) for entry in descriptor.entries]
                 # A quota-mode descriptor's hits are owed too: the reference's token-quota pattern.
                 owed = rate_limit is not None and (rate_limit.charge_always or rate_limit.quota_mode)
-                slots.append(_add(checks, seen, LimitCheck(limit=limit, identity=identity_of(entries), cost=cost, owed=owed)))
+                check = LimitCheck(limit=limit, identity=identity_of(bucket_entries), cost=cost, owed=owed)
+                slots.append(_add(checks, seen, check))
             else:
                 slots.append(None)
         if any(c.limit.shadow for c in checks):
-            decision = await self.limiter.check_with_shadow(checks)
+            decision = await self.limiter.check_with_shadow(checks, shed=shed)
         else:
-            decision = await self.limiter.check(checks)
-        if not decision.allowed:
+            decision = await self.limiter.check(checks, shed=shed)
+        if not decision.allowed and not shed:
             decision = await self._read_unasked(checks, decision)
         domain = request.domain if known else UNKNOWN_DOMAIN
         for slot in slots:
@@ -188,7 +196,13 @@ class RateLimitService:
                 continue
             check, limit_status = checks[slot], decision.statuses[slot]
             answered.append(limit_status)
-            refused = _refused(limit_status, check.owed)
+            # A quota-mode limit is checked as a shadow one: its refusal is the shadow's. A
+            # local stand-in's refusal is a denial too.
+            refused = (
+                limit_status.outcome in REFUSED
+                or (rate_limit.quota_mode and limit_status.outcome == SHADOW_LIMITED)
+                or (not decision.allowed and _short_locally(limit_status, check.owed))
+            )
             status.code = OVER_LIMIT if refused else OK
             status.current_limit.requests_per_unit = rate_limit.requests_per_unit
             status.current_limit.unit = UNITS[rate_limit.unit]
@@ -197,7 +211,7 @@ class RateLimitService:
             remaining, reset = _remaining_and_reset(self._applied(limit_status), limit_status, over=over, owed=check.owed)
             status.limit_remaining = remaining
             status.duration_until_reset.seconds = reset
-        refused = any(s.code == OVER_LIMIT for s in response.statuses)
+        refused = request_over_limit(found, [s.code == OVER_LIMIT for s in response.statuses])
         response.overall_code = OVER_LIMIT if refused else OK
         if answered:
             pairs = [(s.limit, self._applied(s)) for s in answered]
@@ -229,12 +243,12 @@ def _add(checks: list[LimitCheck], seen: dict[tuple[int, str], int], check: Limi
     return i
 
 
-def _refused(status: LimitStatus, owed: bool) -> bool:
-    """Whether this limit refuses: a denial, a fail-closed limit or a full in-process store, or
-    the local stand-in short of the cost (an owed charge's remaining is after it: below 0)."""
+def _short_locally(status: LimitStatus, owed: bool) -> bool:
+    """Whether the local stand-in (`on_store_error: local`) could not pay: short of the cost,
+    or for an owed charge, whose remaining is after it, below 0."""
     if status.outcome == FAIL_LOCAL and owed:
         return status.remaining is not None and status.remaining < 0
-    return status.outcome in REFUSED or status.denied
+    return status.denied
 
 
 def _remaining_and_reset(limit: Limit, status: LimitStatus, *, over: bool, owed: bool) -> tuple[int, int]:
@@ -262,27 +276,53 @@ def _remaining_and_reset(limit: Limit, status: LimitStatus, *, over: bool, owed:
 
 
 def _request_of(data: bytes) -> Any:
-    """The RateLimitRequest in a frame, or None: grpcio would log a traceback for a frame
-    protobuf cannot parse, and answer it with a status that says nothing of why."""
+    """The RateLimitRequest in a frame, or the InvalidRequest that refuses it: grpcio would log
+    a traceback for a frame protobuf cannot parse, and answer it with a status that says
+    nothing of why. The frame's size is checked before protobuf spends time on it."""
+    fault = frame_fault(len(data))
+    if fault is not None:
+        return InvalidRequest(fault)
     try:
-        return rls_pb2.RateLimitRequest.FromString(data)
+        request = rls_pb2.RateLimitRequest.FromString(data)
     except DecodeError:
-        return None
+        return InvalidRequest("not a RateLimitRequest")
+    fault = request_fault(request, len(data))
+    return request if fault is None else InvalidRequest(fault)
 
 
 class _Servicer:
-    """grpcio's side: a request the service refuses becomes its gRPC status."""
+    """grpcio's side: a request the service refuses becomes its gRPC status, and one that
+    finds `max_in_flight()` RPCs in flight is answered by its rules' failure policies,
+    without the store: an error status would be Envoy's to decide (failure_mode_deny)."""
 
-    def __init__(self, service: RateLimitService) -> None:
+    def __init__(self, service: RateLimitService, max_in_flight: Callable[[], int], on_shed: Callable[[], None]) -> None:
         self._service = service
+        self._max_in_flight = max_in_flight
+        self._on_shed = on_shed
+        self._in_flight = 0
+        self._last_shed_log = -SHED_LOG_INTERVAL
 
     async def should_rate_limit(self, request: Any, context: Any) -> Any:
         try:
-            if request is None:
-                raise InvalidRequest("not a RateLimitRequest")
-            return await self._service.should_rate_limit(request)
+            if isinstance(request, InvalidRequest):
+                raise request
+            if self._in_flight >= self._max_in_flight():
+                self._on_shed()
+                self._log_shed()
+                return await self._service.should_rate_limit(request, shed=True)
+            self._in_flight += 1
+            try:
+                return await self._service.should_rate_limit(request)
+            finally:
+                self._in_flight -= 1
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def _log_shed(self) -> None:
+        now = time.monotonic()
+        if now - self._last_shed_log >= SHED_LOG_INTERVAL:
+            self._last_shed_log = now
+            log.warning("%d RPCs in flight (max_in_flight): failure policies answer the next ones", self._in_flight)
 
 
 class RlsServer:
@@ -302,13 +342,23 @@ class RlsServer:
 
 
 @contextlib.asynccontextmanager
-async def serving(service: RateLimitService, host: str, port: int, *, reuse_port: bool = False) -> AsyncIterator[RlsServer]:
+async def serving(
+    service: RateLimitService,
+    host: str,
+    port: int,
+    *,
+    max_in_flight: Callable[[], int],
+    on_shed: Callable[[], None],
+    reuse_port: bool = False,
+) -> AsyncIterator[RlsServer]:
     """Serve `service` on host:port until the block ends (or its stop); yields it bound. Raises
-    OSError when the address cannot be bound. `reuse_port`: every worker binds the same port
-    (grpcio's own default, which would otherwise let a second gateway share ours silently)."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if reuse_port else 0)])
+    OSError when the address cannot be bound. `max_in_flight`: the RPCs in flight past which
+    the failure policies answer (read on each RPC, so a reload changes it); `on_shed` is told
+    of each. `reuse_port`: every worker binds the same port."""
+    # maximum_concurrent_rpcs stays None: grpcio would answer RESOURCE_EXHAUSTED past it.
+    server = grpc.aio.server(options=grpc_options(reuse_port=reuse_port), maximum_concurrent_rpcs=None)
     method = grpc.unary_unary_rpc_method_handler(
-        _Servicer(service).should_rate_limit,
+        _Servicer(service, max_in_flight, on_shed).should_rate_limit,
         request_deserializer=_request_of,
         response_serializer=Response.SerializeToString,
     )

@@ -48,6 +48,7 @@ from aiohttp import web
 
 from gateway.config.http_names import cgi_name, request_host
 from gateway.config.model import (
+    DEFAULT_IDENTITY_MAX_LENGTH,
     ClientIpHeader,
     ClientIpStrategy,
     IdentitySource,
@@ -68,16 +69,10 @@ ADDRESS_MEMO_KEY_CHARS = 64
 _UNREAD: Any = object()  # a request's token claims, before anyone asked for them
 GLOBAL_VALUE = "*"  # the one value of `global`, which every request shares
 DEFAULT_STRATEGY = ClientIpStrategy()  # X-Forwarded-For from trusted proxies, as a config without `client_ip` says
-# The longest identity value a limit reads: API keys, session ids and JWT subjects are
-# tens to a few hundred characters. A client choosing 8 KB keys would otherwise make the
-# gateway hold 8 KB per key it remembers (denial cache, leases, the admin's top list).
-MAX_IDENTITY_LENGTH = 1024
-
-
 class IdentityTooLong(IdentityRejected):
-    """An identity value past MAX_IDENTITY_LENGTH: 431, the status for a header too large,
-    which is where such values come from (a query's gets the same, as nginx's 414 is for a
-    whole target)."""
+    """An identity value past the cap: 431, the status for a header too large, which is
+    where such values come from (a query's gets the same, as nginx's 414 is for a whole
+    target)."""
 
     status = 431
     title = "Request Header Fields Too Large"
@@ -232,8 +227,10 @@ class ClientIdentity:
         trusted_proxies: Sequence[IPNetwork],
         jwt: JwtConfig | None = None,
         strategy: ClientIpStrategy = DEFAULT_STRATEGY,
+        max_length: int = DEFAULT_IDENTITY_MAX_LENGTH,
     ) -> None:
         self._trusted = tuple(trusted_proxies)
+        self._max_length = max_length
         self._strategy = strategy
         self._jwt = JwtVerifier(jwt) if jwt is not None else None
         # address text -> (the address as we write it, or None if it is not one; trusted?)
@@ -314,6 +311,7 @@ class ClientIdentity:
                         f"client's identity from {name}, and the upstream could take that header for it."
                     )
         claims = [_UNREAD]  # the bearer token's, verified on first use
+        max_length = self._max_length
         found: list[str] = []
         for key in route.keys:
             identity = None
@@ -326,10 +324,9 @@ class ClientIdentity:
                 else:
                     value = self._read(request, source, route, client_ip, claims)
                 if value:
-                    if len(value) > MAX_IDENTITY_LENGTH:
+                    if len(value) > max_length:
                         raise IdentityTooLong(
-                            f"The client's identity (from {source.kind}) is longer than "
-                            f"{MAX_IDENTITY_LENGTH} characters."
+                            f"The client's identity (from {source.kind}) is longer than {max_length} characters."
                         )
                     identity = prefix + value
                     break

@@ -6,7 +6,9 @@ proxy, the access log and the tiers read what they return.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,6 +49,8 @@ class Decision:
         return any(s.outcome in FAILURE_OUTCOMES for s in self.statuses)
 
 
+# Limits a failure line names; a route has a few, an Envoy request up to 64 descriptors.
+LOGGED_LIMITS = 5
 # The decision for a request with no limits: nothing to ask the store.
 UNLIMITED = Decision(allowed=True, statuses=(), retry_after=0.0, store_failed=False)
 
@@ -130,3 +134,13 @@ def cached_denial(checks: Sequence[LimitCheck], cached: CachedDenial) -> Decisio
         for i, c in enumerate(checks)
     )
     return Decision(allowed=False, statuses=statuses, retry_after=cached.retry_after, store_failed=False)
+
+
+def policies_named(checks: Sequence[LimitCheck]) -> str:
+    """The checks' limits and policies for a log line, each named once with its count and
+    at most LOGGED_LIMITS of them: one request may carry many checks of one limit."""
+    counts = collections.Counter(f"{c.limit.name}={c.limit.on_store_error.value}" for c in checks)
+    named = [name if n == 1 else f"{name} x{n}" for name, n in itertools.islice(counts.items(), LOGGED_LIMITS)]
+    if len(counts) > LOGGED_LIMITS:
+        named.append(f"{len(counts) - LOGGED_LIMITS} more limits")
+    return ", ".join(named)

@@ -33,12 +33,13 @@ No I/O and no clock of its own: times are passed in. Bounded: past
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.config.model import Limit
 from gateway.limiter.keys import memory_key
-from gateway.limiter.store import LimitCheck
+from gateway.limiter.store import LimitCheck, StoreDecision
 
 # Enough for every client flooding one gateway at once; ~250 bytes each, long identities
 # held by their digest (gateway.limiter.keys.memory_key), so at most ~16 MB.
@@ -136,6 +137,15 @@ class DenialCache:
     def clear(self) -> None:
         """Drop every denial: buckets were reset that this process cannot name."""
         self._entries.clear()
+
+    def learn(self, checks: Sequence[LimitCheck], answer: StoreDecision, sent_at: float) -> None:
+        """Record each bucket the store's answer to a check sent at `sent_at` left short of its
+        cost, allowed or not: it cannot pass until it refills."""
+        for c, left, reset in zip(checks, answer.remaining, answer.resets):
+            if left is not None and left < c.cost:
+                self.record(c, remaining=left, sent_at=sent_at, reset=reset)
+                if c.owed and c.cost and left < 0:  # the reads' cached denial, which this debt made longer
+                    self.record(dataclasses.replace(c, cost=0), remaining=left, sent_at=sent_at, reset=reset)
 
     def record(self, check: LimitCheck, *, remaining: float, sent_at: float, reset: float | None = None) -> None:
         """Remember that the store found this bucket short of its cost for a check sent at `sent_at`

@@ -56,6 +56,7 @@ from gateway.limiter.decision import (
     leased,
     local_share,
     owes_charge,
+    policies_named,
 )
 from gateway.limiter.denial_cache import REFUNDING_STORE_MAX_HOLD, DenialCache
 from gateway.limiter.memory_store import MemoryStore, StoreFull
@@ -144,9 +145,13 @@ class Limiter:
             local_store=local_store(),
         )
 
-    async def check(self, checks: Sequence[LimitCheck]) -> Decision:
+    async def check(self, checks: Sequence[LimitCheck], *, shed: bool = False) -> Decision:
+        """`shed`: the caller is past its in-flight cap; the failure policies answer at once,
+        without the store, its breaker or the caches."""
         if not checks:
             return UNLIMITED
+        if shed:
+            return self._by_policies(checks)
         if self._resets is not None:
             self._apply_sibling_resets(self._resets)
         # The stand-in is checked only while the store fails: without this, the buckets of
@@ -168,24 +173,18 @@ class Limiter:
             now = time.monotonic()
             for c, status in zip(checks, decision.statuses):
                 if status.denied:
-                    self.top_limited.add((c.limit.name, c.identity), now)
+                    self.top_limited.denied(c.limit.name, c.identity, now)
         return decision
 
-    async def check_with_shadow(self, checks: Sequence[LimitCheck]) -> Decision:
+    async def check_with_shadow(self, checks: Sequence[LimitCheck], *, shed: bool = False) -> Decision:
         """`check` for checks of which some are shadow limits: only the enforced ones decide."""
         enforced = [c for c in checks if not c.limit.shadow]
         shadows = [c for c in checks if c.limit.shadow]
-        main, *shadowed = await asyncio.gather(self.check(enforced), *(self.check((c,)) for c in shadows))
+        main, *shadowed = await asyncio.gather(self.check(enforced, shed=shed), *(self.check((c,), shed=shed) for c in shadows))
         enforced_statuses = iter(main.statuses)
         shadow_statuses = (as_shadow(d.statuses[0]) for d in shadowed)
         statuses = tuple(next(shadow_statuses) if c.limit.shadow else next(enforced_statuses) for c in checks)
-        return Decision(
-            allowed=main.allowed,
-            statuses=statuses,
-            retry_after=main.retry_after,
-            store_failed=main.store_failed,
-            wait=main.wait,
-        )
+        return dataclasses.replace(main, statuses=statuses)
 
     async def _check_leased(self, checks: Sequence[LimitCheck], denials: DenialCache) -> Decision:
         """`check` for a request with leased limits (see the module docstring)."""
@@ -362,8 +361,8 @@ class Limiter:
     async def _ask_store(
         self, checks: Sequence[LimitCheck], denials: DenialCache, *, lease: bool, sent_at: float | None = None
     ) -> StoreDecision | None:
-        """The store's answer, behind the circuit breaker (None: it holds the store back), with
-        each bucket it left short recorded in the denial cache. Raises StoreError."""
+        """The store's answer, behind the circuit breaker (None: it holds the store back), taught
+        to the denial cache. Raises StoreError."""
         if sent_at is None:
             sent_at = time.monotonic()
         if not self.breaker.allows(sent_at):
@@ -380,20 +379,18 @@ class Limiter:
             self.breaker.abandoned(time.monotonic())
             raise
         self.breaker.succeeded()
-        # Allowed or not, a bucket left short of its cost cannot pass until it refills.
-        for c, left, reset in zip(checks, answer.remaining, answer.resets):
-            if left is not None and left < c.cost:
-                denials.record(c, remaining=left, sent_at=sent_at, reset=reset)
-                if c.owed and c.cost and left < 0:  # the reads' cached denial, which this debt made longer
-                    denials.record(dataclasses.replace(c, cost=0), remaining=left, sent_at=sent_at, reset=reset)
+        denials.learn(checks, answer, sent_at)
         return answer
 
     def _on_store_error(self, checks: Sequence[LimitCheck], exc: StoreError) -> Decision:
         now = time.monotonic()
         if now - self._last_failure_log >= FAILURE_LOG_INTERVAL:
             self._last_failure_log = now
-            named = ", ".join(f"{c.limit.name}={c.limit.on_store_error.value}" for c in checks)
-            log.warning("store failed, applying failure policies (%s): %s", named, exc)
+            log.warning("store failed, applying failure policies (%s): %.200s", policies_named(checks), exc)
+        return self._by_policies(checks)
+
+    def _by_policies(self, checks: Sequence[LimitCheck]) -> Decision:
+        """Each limit's failure policy decides, the store unasked."""
         policies = [c.limit.on_store_error for c in checks]
         if FailurePolicy.CLOSED in policies:
             statuses = tuple(LimitStatus(c.limit, c.cost, None, FAILURE_OUTCOME[c.limit.on_store_error]) for c in checks)

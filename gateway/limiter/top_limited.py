@@ -27,6 +27,8 @@ import heapq
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from gateway.limiter.keys import listed_identity
+
 # Enough to name every client worth naming; ~200 bytes each, so about 0.4 MB for two epochs.
 DEFAULT_CAPACITY = 1000
 # Operators ask "who is limited now", not "since the process started".
@@ -110,6 +112,11 @@ class TopLimited:
         if now >= self._epoch_ends:
             self._rotate(now)
         self._current.add(key)
+
+    def denied(self, limit_name: str, identity: str, now: float) -> None:
+        """Count a denial of `identity` under a limit: keyed (limit name, identity as
+        listed_identity keeps it), so a long identity costs no more than a short one."""
+        self.add((limit_name, listed_identity(identity)), now)
 
     def top(self, n: int, now: float) -> list[HeavyHitter]:
         """The `n` keys with the most denials over the last one to two windows, most first."""

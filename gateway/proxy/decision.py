@@ -17,6 +17,12 @@ the original request and which statuses it understands, is the path asked:
 - `/decide/envoy/<original path>`: the original method, path and headers as Envoy's
   ext_authz HTTP service sends them, behind its `path_prefix`.
 
+Missing, empty or repeated headers make a question that is not one (400). What they say is
+the client's: its method and target are read as the public listener reads them, and
+refused (400, nginx's 403) where it would refuse them, or where the proxy, which forwards
+the target as sent, would forward another request than the one decided on
+(gateway.proxy.forwarded_target).
+
 Routing, identities, tiers, costs, shadow mode and failure policies are the proxy's own
 (ProxyHandler.check); only concurrency limits are not taken, since a decision never sees
 the end of the request it admits: they are skipped and counted.
@@ -24,19 +30,19 @@ the end of the request it admits: they are skipped and counted.
 
 from __future__ import annotations
 
-import re
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
-from yarl import URL
 
 from gateway.metrics import Metrics
 from gateway.proxy.access_log import AccessRecord, request_id
+from gateway.proxy.forwarded_target import TargetRefused, forwarded_target
 from gateway.proxy.handler import ProxyHandler
-from gateway.proxy.paths import PathRejected, normalize_path
-from gateway.proxy.problem import problem
+from gateway.proxy.paths import NormalPath
+from gateway.proxy.problem import PROBLEM_CONTENT_TYPE, problem
 from gateway.proxy.protocol import checked_host
 from gateway.proxy.route_plan import Plans
 from gateway.proxy.routing import ConditionRejected
@@ -48,19 +54,18 @@ ENVOY_PREFIX = "/decide/envoy"  # Envoy's http_service.path_prefix: the original
 # nginx turns any other auth_request status into a 500; its snippet maps these back.
 NGINX_DENIED = 403
 NGINX_UNDECIDED = 401
+# Envoy's ext_authz counts every 5xx from its authorization service as the service failing,
+# which `failure_mode_allow: true` lets through: a fail-closed refusal must reach it as a 4xx.
+ENVOY_UNDECIDED = 429
 # The gateway's answers about a client's request (allowed, denied, not decided), counted
 # for every mode from the start so that dashboards and alerts read 0, not nothing.
 ANSWERS = ("200", "429", "503")
 # The status the gateway would have answered, for a proxy that needs another one (nginx).
 GATEWAY_STATUS = "X-Gateway-Status"
-# A method is an RFC 9110 token; anything else names no request a proxy would have sent.
-_METHOD = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,32}")
-# An origin-form target: a path, maybe a query, in visible ASCII.
-_TARGET = re.compile(r"/[\x21-\x7e]*")
 
 
 class Malformed(Exception):
-    """The original request's headers are missing, repeated or not what a proxy writes."""
+    """The original request's headers are missing, empty or repeated: not what a proxy writes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +79,8 @@ def _one(request: web.BaseRequest, name: str) -> str:
     values = request.headers.getall(name, ())
     if len(values) != 1:
         raise Malformed(f"{name} must be given once, got {len(values)}.")
+    if not values[0]:
+        raise Malformed(f"{name} is empty.")
     return values[0]
 
 
@@ -88,10 +95,6 @@ def original_request(mode: str, request: web.BaseRequest) -> Original:
     else:
         rest = request.raw_path[len(ENVOY_PREFIX) :]
         original = Original(request.method, rest or "/", None)
-    if _METHOD.fullmatch(original.method) is None:
-        raise Malformed("The original method is not an HTTP method.")
-    if _TARGET.fullmatch(original.target) is None:
-        raise Malformed("The original URI is not an origin-form path such as /path?query.")
     return original
 
 
@@ -106,13 +109,29 @@ def decision_mode(raw_path: str) -> str | None:
 
 
 def for_nginx(refusal: web.StreamResponse) -> web.StreamResponse:
-    """A refusal of the original request (over a limit, an identity or path refused, the
-    store failed) as nginx takes it from an auth_request: 403, or 401 for a store failure,
-    the gateway's own status in X-Gateway-Status. The 400s for a question that is not one
-    (an untrusted peer, headers the snippet should have set) stay 400, which nginx turns
-    into a 500: they are the proxy's misconfiguration, not the client's doing."""
+    """A refusal of the original request (over a limit; its method, target, Host or identity
+    refused; the store failed) as nginx takes it from an auth_request: 403, or 401 for a
+    store failure, the gateway's own status in X-Gateway-Status. The 400s for a question
+    that is not one (an untrusted peer, headers the snippet should have set) stay 400,
+    which nginx turns into a 500: they are the proxy's misconfiguration, not the client's doing."""
     refusal.headers[GATEWAY_STATUS] = str(refusal.status)
     refusal.set_status(NGINX_UNDECIDED if refusal.status == 503 else NGINX_DENIED)
+    return refusal
+
+
+def for_envoy(refusal: web.StreamResponse) -> web.StreamResponse:
+    """A 5xx answer about the original request (a fail-closed limit's store failed) as Envoy
+    passes it to the client instead of treating it as the gateway failing: 429 with the
+    same headers, the gateway's status in X-Gateway-Status, and a problem body that says 429
+    (RFC 9457: the member repeats the response's status) with the same type and detail."""
+    status = refusal.status
+    refusal.headers[GATEWAY_STATUS] = str(status)
+    refusal.set_status(ENVOY_UNDECIDED)
+    if isinstance(refusal, web.Response) and isinstance(refusal.body, bytes) and refusal.content_type == PROBLEM_CONTENT_TYPE:
+        problem_doc = json.loads(refusal.body)
+        problem_doc["status"] = ENVOY_UNDECIDED
+        refusal.body = rewritten = json.dumps(problem_doc).encode()
+        refusal.headers[hdrs.CONTENT_LENGTH] = str(len(rewritten))
     return refusal
 
 
@@ -161,25 +180,31 @@ class DecisionService:
             original = original_request(mode, request)
         except Malformed as exc:
             return problem(400, "Bad Request", str(exc))
-        headers = CIMultiDict(request.headers)
-        if original.host is not None:
-            headers[hdrs.HOST] = original.host
-        asked = request.clone(method=original.method, rel_url=URL(original.target, encoded=True), headers=headers)
-        answer = await self._decide(asked, original.target, plans)
         # What follows the question's own checks is about the client's request: nginx must
-        # hear it as a denial.
-        return for_nginx(answer) if mode == NGINX and answer.status >= 400 else answer
+        # hear a refusal as a denial.
+        try:
+            target = forwarded_target(original.method, original.target, plans.path_rule)
+        except TargetRefused as exc:
+            answer: web.StreamResponse = problem(400, "Bad Request", exc.detail)
+        else:
+            headers = CIMultiDict(request.headers)
+            if original.host is not None:
+                headers[hdrs.HOST] = original.host
+            asked = request.clone(method=original.method, rel_url=target.url, headers=headers)
+            answer = await self._decide(asked, target.path, plans)
+        if mode == NGINX and answer.status >= 400:
+            return for_nginx(answer)
+        if mode == ENVOY and answer.status >= 500:
+            return for_envoy(answer)
+        return answer
 
-    async def _decide(self, asked: web.BaseRequest, target: str, plans: Plans) -> web.StreamResponse:
-        """The answer to the original request `asked`, as the proxy handler would refuse it
-        or, allowed, with the fields it would send, on the plans the question began on."""
+    async def _decide(self, asked: web.BaseRequest, path: NormalPath, plans: Plans) -> web.StreamResponse:
+        """The answer to the original request `asked`, its path `path`, as the proxy handler
+        would refuse it or, allowed, with the fields it would send, on the plans the
+        question began on."""
         host = checked_host(asked)
         if not isinstance(host, str):
             return host
-        try:
-            path = normalize_path(target.partition("?")[0], plans.path_rule)
-        except PathRejected as exc:
-            return problem(400, "Bad Request", str(exc))
         try:
             plan = plans.router.find(asked.method, host, path.match, asked.headers, asked.rel_url)
         except ConditionRejected as exc:

@@ -56,6 +56,11 @@ _PARSER_ERRORS: tuple[tuple[type[Exception], str], ...] = (
 )
 _MALFORMED = "The request is malformed."
 
+
+def parser_refusal(exc: BaseException | None) -> str:
+    """The detail of the 400 answering a request the parser refused with `exc`."""
+    return next((text for kind, text in _PARSER_ERRORS if isinstance(exc, kind)), _MALFORMED)
+
 # RFC 9110 §7.2: Host = uri-host [ ":" port ]. A reg-name is restricted here to its
 # unreserved characters: sub-delims (`!$&'()*+,;=`) and %-escapes name no real host and
 # are how `evil.example/@x`-style values confuse an upstream's URL parser. An IP-literal
@@ -221,7 +226,7 @@ class _RequestHandler(BoundedRequestHandler):
         elif status == HTTPStatus.BAD_REQUEST:
             log.debug("refused a malformed request from %s: %s", request.remote, type(exc).__name__)
             self.refused()
-            detail = next((text for kind, text in _PARSER_ERRORS if isinstance(exc, kind)), _MALFORMED)
+            detail = parser_refusal(exc)
         else:
             detail = HTTPStatus(status).description + "."
         if request.writer.output_size > 0:

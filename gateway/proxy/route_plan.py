@@ -290,7 +290,7 @@ def compile_plans(config: GatewayConfig, metrics: Metrics, states: Mapping[str, 
     return Plans(
         router=Router(routes),
         path_rule=config.path_normalization,
-        identity=ClientIdentity(config.trusted_proxies, config.jwt, config.client_ip),
+        identity=ClientIdentity(config.trusted_proxies, config.jwt, config.client_ip, config.identity_max_length),
         replace_forwarded=config.forwarded_headers is ForwardedHeaders.REPLACE,
         unmatched=Children(metrics.requests, ("method", "status_class"), route=UNMATCHED_ROUTE),
         upstreams=tuple(sorted({target.url for plan in routes for target in plan.pool.targets})),
