@@ -2,70 +2,22 @@
 github.com/envoyproxy/ratelimit at commit f2fb157 so that the suite does not need that
 repository. tests/test_rls_reference_answers.py runs them against the gateway.
 
-Each dict is one config directory for the gateway's `rls_config`. Files marked "verbatim"
-are the reference's own; the others are our rendering, as config files, of the limits a
-Go test builds in code (`config.NewRateLimit(...)`), named after that test. A rule with the
+Each dict is one config directory for the gateway's `rls_config`. The reference's own files
+come from tests.rls_reference_examples (byte for byte) or, marked "verbatim", are here; the
+others are our rendering, as config files, of the limits a Go test builds in code
+(`config.NewRateLimit(...)`), named after that test. A rule with the
 gateway's own key `charge: always` stands where the reference reaches a count above the
 limit, which only a service that charges every hit can reach.
 """
 
 from __future__ import annotations
 
-# test/integration/runtime/current/ratelimit/config/{basic,another}.yaml, verbatim: the
-# directory test/integration/integration_test.go (testBasicBaseConfig) serves.
-INTEGRATION = {
-    "basic.yaml": """\
-domain: basic
-descriptors:
-  - key: key1
-    rate_limit:
-      unit: second
-      requests_per_unit: 50
+from tests.rls_reference_examples import EXAMPLES
+from tests.rls_reference_examples import INTEGRATION as REFERENCE_INTEGRATION
 
-  - key: key1_local
-    rate_limit:
-      unit: second
-      requests_per_unit: 50
-
-  - key: one_per_minute
-    rate_limit:
-      unit: minute
-      requests_per_unit: 1
-""",
-    "another.yaml": """\
-domain: another
-descriptors:
-  - key: key2
-    rate_limit:
-      unit: minute
-      requests_per_unit: 20
-
-  - key: key3
-    rate_limit:
-      unit: hour
-      requests_per_unit: 10
-
-  - key: key2_local
-    rate_limit:
-      unit: minute
-      requests_per_unit: 20
-
-  - key: key3_local
-    rate_limit:
-      unit: hour
-      requests_per_unit: 10
-
-  - key: key4
-    rate_limit:
-      unit: day
-      requests_per_unit: 20
-
-  - key: key4_local
-    rate_limit:
-      unit: day
-      requests_per_unit: 20
-""",
-}
+# test/integration/runtime/current/ratelimit/config/{basic,another}.yaml: the directory
+# test/integration/integration_test.go (testBasicBaseConfig) serves.
+INTEGRATION = {name: REFERENCE_INTEGRATION[name] for name in ("basic.yaml", "another.yaml")}
 
 # The same `another` domain counted in fixed windows (the gateway's `algorithm:
 # fixed_window`), the mode the reference's duration_until_reset vector assumes.
@@ -191,114 +143,9 @@ descriptors:
 """,
 }
 
-# examples/ratelimit/config/example.yaml, verbatim: the config the reference's
+# examples/ratelimit/config/example.yaml: the config the reference's
 # integration-test/scripts/*.sh run against, behind examples/envoy/proxy.yaml.
-EXAMPLE = """\
----
-domain: rl
-descriptors:
-  - key: category
-    value: account
-    rate_limit:
-      replaces:
-        - name: bkthomps
-        - name: fake_name
-      unit: minute
-      requests_per_unit: 4
-  - key: source_cluster
-    value: proxy
-    descriptors:
-      - key: destination_cluster
-        value: bkthomps
-        rate_limit:
-          replaces:
-            - name: bkthomps
-          unit: minute
-          requests_per_unit: 2
-      - key: destination_cluster
-        value: mock
-        rate_limit:
-          unit: minute
-          requests_per_unit: 1
-      - key: destination_cluster
-        value: override
-        rate_limit:
-          replaces:
-            - name: banned_limit
-          unit: minute
-          requests_per_unit: 2
-      - key: destination_cluster
-        value: fake
-        rate_limit:
-          name: fake_name
-          unit: minute
-          requests_per_unit: 2
-  - key: foo
-    rate_limit:
-      unit: minute
-      requests_per_unit: 2
-    descriptors:
-      - key: bar
-        rate_limit:
-          unit: minute
-          requests_per_unit: 3
-      - key: bar
-        value: bkthomps
-        rate_limit:
-          name: bkthomps
-          unit: minute
-          requests_per_unit: 1
-      - key: bar
-        value: banned
-        rate_limit:
-          name: banned_limit
-          unit: minute
-          requests_per_unit: 0
-      - key: baz
-        rate_limit:
-          unit: second
-          requests_per_unit: 1
-      - key: baz
-        value: not-so-shady
-        rate_limit:
-          unit: minute
-          requests_per_unit: 3
-      - key: baz
-        value: shady
-        rate_limit:
-          unit: minute
-          requests_per_unit: 3
-        shadow_mode: true
-      - key: bay
-        rate_limit:
-          unlimited: true
-  - key: unspec
-    detailed_metric: true
-    rate_limit:
-      unit: minute
-      requests_per_unit: 2
-  - key: qux
-    rate_limit:
-      unlimited: true
-  - key: service
-    value: service_1
-    quota_mode: true
-    rate_limit:
-      unit: minute
-      requests_per_unit: 1
-    metadata:
-      service_with_quota:
-        name: "service_1"
-  - key: service
-    value: service_2
-    quota_mode: true
-    rate_limit:
-      unit: minute
-      requests_per_unit: 2
-    metadata:
-      service_with_quota:
-        name: "service_2"
-"""
+EXAMPLE = EXAMPLES["example.yaml"]
 
 # test/service/ratelimit_test.go's quota-mode tests (TestServicePerDescriptorQuotaMode and
 # the five after it): a regular and a quota-mode limit, and two quota-mode limits.
@@ -311,23 +158,6 @@ descriptors:
   - {key: quota2, value: limit, quota_mode: true, rate_limit: {unit: minute, requests_per_unit: 3}}
 """
 
-# test/integration/runtime/current/ratelimit/config/share_threshold.yaml, verbatim: what
+# test/integration/runtime/current/ratelimit/config/share_threshold.yaml: what
 # TestShareThreshold serves.
-SHARE_THRESHOLD = """\
-domain: share-threshold-test
-descriptors:
-  # Test case 1: share_threshold: true - files/* should share threshold
-  - key: files
-    value: files/*
-    share_threshold: true
-    rate_limit:
-      unit: hour
-      requests_per_unit: 10
-
-  - key: files_no_share
-    value: files_no_share/*
-    rate_limit:
-      unit: hour
-      requests_per_unit: 10
-"""
-
+SHARE_THRESHOLD = REFERENCE_INTEGRATION["share_threshold.yaml"]

@@ -31,7 +31,6 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import ConfigError, parse_config
 from tests import rls_reference_answers_data as data
 from tests.processes import GatewayProcess, RedisServer, eventually, free_port
 
@@ -59,15 +58,6 @@ def written(directory: Path, files: dict[str, str]) -> Path:
     for name, text in files.items():
         (directory / name).write_text(text)
     return directory
-
-
-def refusal(directory: Path) -> str | None:
-    """Why the gateway refuses this config directory, or None when it loads."""
-    try:
-        parse_config(GATEWAY.format(store="", port=0, directory=directory), source="gw.yaml", environ={})
-    except ConfigError as exc:
-        return str(exc)
-    return None
 
 
 @contextlib.contextmanager
@@ -215,9 +205,6 @@ async def test_integration_a_reload_brings_a_new_domain(redis, tmp_path):
             ask = Asker(stub)
             assert statuses(await ask("reload", d(("block", "foo")))) == [(OK, None, None, 0)]
             (directory / "reload.yaml").write_text(data.RELOAD)
-            why = refusal(directory)
-            if why is not None:
-                pytest.skip(f"reload.yaml does not load here: {why}")
             gw.signal(signal.SIGHUP)
             answers = []
 
