@@ -110,7 +110,10 @@ async def test_concurrency_7_lets_exactly_7_of_1000_reach_a_holding_upstream():
             async def all_refused_but_the_held() -> bool:
                 async with aiohttp.ClientSession() as http:
                     counts = await decisions_now(http, gateway.admin_url)
-                return counts["conns", "concurrency_limited"] >= FLOOD - 7
+                # The 7 admitted may still be on their way to the upstream when the last
+                # refusal is counted: wait for both.
+                refused = counts["conns", "concurrency_limited"] >= FLOOD - 7
+                return refused and counting.in_flight["one-client"] >= 7
 
             await eventually(all_refused_but_the_held, what="every request but the held ones to be refused", deadline=60)
             assert counting.in_flight["one-client"] == 7
