@@ -19,8 +19,6 @@ from gateway.config.model import (
     HeaderRules,
     IdentitySource,
     JwtKey,
-    RlsConfig,
-    RlsDescriptor,
     Route,
     StoreConfig,
     Target,
@@ -28,6 +26,7 @@ from gateway.config.model import (
 )
 from gateway.config.redaction import redacted_url
 from gateway.config.regex import Regex
+from gateway.config.rls_model import RlsConfig, RlsDescriptor
 from gateway.config.units import Address, Rate
 
 REDACTED = "***"
