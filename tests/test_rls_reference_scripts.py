@@ -99,9 +99,10 @@ async def test_token_quota_the_next_read_passes_once_the_debt_is_repaid(store_rl
     """The same at 2 per second: after three charges the bucket owes 1 token, and a read
     passes again no sooner than the half second that token takes to refill."""
     fast = ("service", "fast")
+    # Taken before the charges: the debt starts at the third, however late its answer arrives.
+    owing_since = time.monotonic()
     for _ in range(3):
         await store_rls("tokenquota", d(fast, hits=1))
-    owing_since = time.monotonic()
     assert (await store_rls("tokenquota", d(fast, hits=0))).overall_code == OVER
 
     async def read_passes() -> bool:
