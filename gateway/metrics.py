@@ -393,7 +393,7 @@ class Metrics:
         return metric
 
     def show_targets(self, names: frozenset[str]) -> None:
-        """The pool targets health checks run for now (gateway.proxy.health_checks), whose
+        """The pool targets health checks run for now (gateway.upstream.health_checks), whose
         gateway_upstream_target_healthy /metrics shows. With several workers a gauge's child
         cannot be removed: prometheus_client keeps its last value in the workers' files, so a
         target a reload renamed or dropped would be shown (at 0: out of rotation) until the

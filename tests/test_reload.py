@@ -14,8 +14,8 @@ from pathlib import Path
 import aiohttp
 
 from gateway.config import load_config
-from gateway.proxy.upstream_client import UpstreamClient
 from gateway.testing import running_gateway
+from gateway.upstream.client import UpstreamClient
 from tests.examples import ALIAS_BOMBS
 from tests.helpers import script_calls
 from tests.processes import GatewayProcess, RedisServer, eventually, free_port

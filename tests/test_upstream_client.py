@@ -36,16 +36,10 @@ from dataclasses import dataclass
 import pytest
 from multidict import CIMultiDict
 
-from gateway.proxy import upstream_client
-from gateway.proxy.upstream_client import UpstreamClient
-from gateway.proxy.upstream_connection import (
-    HIGH_WATER,
-    BodyFailed,
-    ConnectFailed,
-    UpstreamFailed,
-    UpstreamResponse,
-    UpstreamTimeout,
-)
+from gateway.upstream import client as upstream_client
+from gateway.upstream.client import UpstreamClient
+from gateway.upstream.connection import HIGH_WATER, UpstreamResponse
+from gateway.upstream.errors import BodyFailed, ConnectFailed, UpstreamFailed, UpstreamTimeout
 from tests.processes import eventually, free_port
 
 # Timeouts that never fire on a loaded 2-core machine, for tests that are not about them.

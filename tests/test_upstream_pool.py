@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 
 from gateway.config.model import Balance, HealthCheck, PassiveEjection
-from gateway.proxy.upstream_pool import Balancer, Outcome, TargetState, TargetStates, retry_allowed
 from gateway.testing import config_from_yaml
+from gateway.upstream.balancing import Balancer, Outcome, TargetState, TargetStates, retry_allowed
 
 # The chi-square statistic's critical value at p = 0.001 for 2 degrees of freedom: a
 # correct balancer fails these tests once in a thousand runs, and a seeded one never.

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.proxy.upstream_slots import UpstreamSlots
+from gateway.upstream.slots import UpstreamSlots
 
 
 async def test_free_slots_are_taken_at_once_and_then_none_is():

@@ -299,7 +299,7 @@ class UpstreamTimeout:
 
 
 class Balance(enum.Enum):
-    """How a pool picks the target of a request (see gateway.proxy.upstream_pool)."""
+    """How a pool picks the target of a request (see gateway.upstream.balancing)."""
 
     ROUND_ROBIN = "round_robin"  # nginx's smooth weighted round robin
     LEAST_REQUESTS = "least_requests"  # fewest requests in flight for its weight

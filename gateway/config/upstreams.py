@@ -2,7 +2,7 @@
 health checks, passive ejection and retries.
 
 Trusts nothing in the file; a URL's password is never shown in a message. Targets are
-shared by every route that names them (gateway.proxy.upstream_pool), so `_SharedTargets`
+shared by every route that names them (gateway.upstream.balancing), so `_SharedTargets`
 holds each URL to one name and one set of health settings across the whole file.
 """
 
@@ -55,7 +55,7 @@ def _upstream_url(value: Any, path: str, r: _Reader) -> str:
 
 class _SharedTargets:
     """The targets seen so far in any route's pool. A target's health, ejection and load are
-    shared by every route that names it (gateway.proxy.upstream_pool), so a URL has one name,
+    shared by every route that names it (gateway.upstream.balancing), so a URL has one name,
     one set of health and passive settings, and a name one URL: metrics stay unambiguous."""
 
     def __init__(self) -> None:

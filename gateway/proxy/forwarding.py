@@ -5,7 +5,7 @@ requests and WebSocket handshakes alike go through `forward`: the target the
 balancer picks takes a slot of its upstream (`UpstreamSlots`, a wait bounded by
 `timeout.queue`, else 503), the attempt is sent, its outcome is counted for the
 target, and a connect failure goes to another target as far as
-`upstream_pool.retry_allowed` lets it; none left in rotation is the other 503.
+`gateway.upstream.balancing.retry_allowed` lets it; none left in rotation is the other 503.
 A slot is held until the response has been passed on, or for a WebSocket until
 it closes, so neither kind of traffic can take every connection from the other
 without the other getting its bounded answer.
@@ -36,11 +36,11 @@ from gateway.proxy.bounded_protocol import ClientLimitExceeded, hung_up
 from gateway.proxy.header_rewrite import rewrite_headers
 from gateway.proxy.problem import RETRY_AFTER_ONE, Problem, problem_response
 from gateway.proxy.route_plan import PoolPlan, RoutePlan, TargetPlan
-from gateway.proxy.upstream_client import UpstreamClient
-from gateway.proxy.upstream_connection import ConnectFailed, UpstreamError, UpstreamTimeout
-from gateway.proxy.upstream_pool import Outcome, retry_allowed
-from gateway.proxy.upstream_slots import UpstreamSlots
 from gateway.proxy.websocket import WebSocketConnectFailed, proxy_websocket
+from gateway.upstream.balancing import Outcome, retry_allowed
+from gateway.upstream.client import UpstreamClient
+from gateway.upstream.errors import ConnectFailed, UpstreamError, UpstreamTimeout
+from gateway.upstream.slots import UpstreamSlots
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,6 @@ from gateway.proxy.bounded_protocol import CANCEL_ON_HANGUP, ClientLimitExceeded
 from gateway.proxy.forwarding import HttpAttempt, Upstream, forward, websocket_attempt
 from gateway.proxy.header_rewrite import rewrite_headers
 from gateway.proxy.headers import GATEWAY_WRITTEN, add_forwarded, drop_cgi_aliases, end_to_end
-from gateway.proxy.health_checks import HealthChecks
 from gateway.proxy.paths import NormalPath, PathRejected, normalize_path
 from gateway.proxy.problem import RETRY_AFTER_ONE, problem
 from gateway.proxy.protocol import checked_host
@@ -54,8 +53,9 @@ from gateway.proxy.request_body import (
 )
 from gateway.proxy.route_plan import Plans, RoutePlan, compile_plans
 from gateway.proxy.routing import ConditionRejected
-from gateway.proxy.upstream_pool import TargetStates
 from gateway.proxy.websocket import ClientLeft, is_websocket_upgrade
+from gateway.upstream.balancing import TargetStates
+from gateway.upstream.health_checks import HealthChecks
 
 log = logging.getLogger(__name__)
 

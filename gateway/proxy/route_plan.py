@@ -52,8 +52,8 @@ from gateway.proxy.problem import (
     problem_body,
 )
 from gateway.proxy.routing import Router
-from gateway.proxy.upstream_pool import Balancer, Outcome, TargetState
 from gateway.ratelimit_headers import RateLimitFields, retry_after_seconds
+from gateway.upstream.balancing import Balancer, Outcome, TargetState
 
 _NO_RULES = HeaderRules()  # a route without request_headers or response_headers
 
@@ -279,7 +279,7 @@ class Plans:
 
 
 def compile_plans(config: GatewayConfig, metrics: Metrics, states: Mapping[str, TargetState]) -> Plans:
-    """`states`: the shared state of each pool target by URL (upstream_pool.TargetStates)."""
+    """`states`: the shared state of each pool target by URL (gateway.upstream.balancing.TargetStates)."""
     pools: dict[UpstreamPool, PoolPlan] = {}
     targets: dict[str, TargetPlan] = {}
     for route in config.routes:

@@ -4,7 +4,7 @@ and when a failed attempt may go to another.
 Pure: no sockets, no clock of its own (callers pass `now`, a monotonic time), no
 metrics. The proxy asks a `Balancer` for a target and reports each attempt's
 `Outcome` to the target's `TargetState`; the background checks of
-gateway.proxy.health_checks report theirs. Trusts its config, which the loader
+gateway.upstream.health_checks report theirs. Trusts its config, which the loader
 validated.
 
 A target's state is per URL, shared by every route whose pool names it: one

@@ -1,5 +1,5 @@
 """HTTP/1.1 to one upstream: one `asyncio.Protocol` per keep-alive connection, a pool
-of idle ones (`gateway.proxy.upstream_connection`), and responses parsed by llhttp
+of idle ones (`gateway.upstream.connection`), and responses parsed by llhttp
 (httptools), the parser of Node and uvicorn.
 
 Knows nothing of routes, limits or aiohttp's server. The proxy hands it a method, a
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from multidict import CIMultiDict
 from yarl import URL
 
-from gateway.proxy.upstream_connection import ConnectFailed, UpstreamConnection, UpstreamFailed, UpstreamResponse
+from gateway.upstream.connection import UpstreamConnection, UpstreamResponse
+from gateway.upstream.errors import ConnectFailed, UpstreamFailed
 
 # An idle connection older than this is closed rather than reused: upstreams close idle
 # keep-alive connections too (uvicorn after 5 s, nginx 75 s), and a reuse racing that

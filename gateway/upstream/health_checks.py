@@ -3,7 +3,7 @@
 One task per checked target GETs its `health.path` every `interval`, on a
 session of its own so checks never queue behind client requests. A 2xx within
 `timeout` passes; any other status, a timeout or a failed connection fails,
-and the target's TargetState (gateway.proxy.upstream_pool) decides when it
+and the target's TargetState (gateway.upstream.balancing) decides when it
 leaves or rejoins the rotation. Trusts nothing of the answer but its status,
 which it reads without the body.
 
@@ -19,24 +19,37 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import aiohttp
 from prometheus_client import Gauge
 from yarl import URL
 
-from gateway.proxy.route_plan import TargetPlan
+from gateway.upstream.balancing import TargetState
 
 log = logging.getLogger(__name__)
+
+
+class CheckedTarget(Protocol):
+    """What a health check reads of a pool target: its base URL, its name in metrics and
+    logs, and the state it reports to (the proxy's plan of the target is one)."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def state(self) -> TargetState: ...
 
 
 class HealthChecks:
     def __init__(self, healthy: Gauge, show: Callable[[frozenset[str]], None]) -> None:
         self._healthy = healthy  # gateway_upstream_target_healthy
         self._show = show  # told the names checked now, which /metrics shows (Metrics.show_targets)
-        self._tasks: dict[str, tuple[TargetPlan, asyncio.Task[None]]] = {}  # by target URL
+        self._tasks: dict[str, tuple[CheckedTarget, asyncio.Task[None]]] = {}  # by target URL
         self._session: aiohttp.ClientSession | None = None
 
-    def update(self, targets: Iterable[TargetPlan]) -> None:
+    def update(self, targets: Iterable[CheckedTarget]) -> None:
         """Check each of `targets` that has a health check, from now on; stop the rest.
         Runs in the event loop (at start, and on a reload)."""
         checked = {t.url: t for t in targets if t.state.health is not None}
@@ -70,7 +83,7 @@ class HealthChecks:
             await self._session.close()
             self._session = None
 
-    async def _run(self, target: TargetPlan) -> None:
+    async def _run(self, target: CheckedTarget) -> None:
         state, health = target.state, target.state.health
         assert health is not None and self._session is not None
         url = URL(target.url + health.path)

@@ -1,7 +1,7 @@
 """One keep-alive HTTP/1.1 connection to an upstream, as an `asyncio.Protocol`: the
 request's head and body written with backpressure, the response parsed by llhttp
 (httptools), its body held in bounded chunks (`HIGH_WATER`), and the errors every
-failure leaves as. `gateway.proxy.upstream_client` pools these.
+failure leaves as. `gateway.upstream.client` pools these.
 
 Trusts nothing an upstream sends: a response whose framing is ambiguous (Content-Length
 twice, or beside Transfer-Encoding; a transfer coding other than chunked) or that llhttp
@@ -17,6 +17,7 @@ import httptools
 from multidict import CIMultiDict
 
 from gateway.config.http_names import HOP_BY_HOP
+from gateway.upstream.errors import BodyFailed, UpstreamError, UpstreamFailed, UpstreamTimeout
 
 # Bytes of response body held unread before the upstream is paused: as many as one stream
 # chunk, so 1,000 slow clients hold ~64 MB at most (plus one read each).
@@ -26,31 +27,6 @@ _RELAYED_CODINGS = frozenset({b"chunked", b"identity"})
 _HOP_BY_HOP = frozenset(name.encode() for name in HOP_BY_HOP)
 _LAST_CHUNK = b"0\r\n\r\n"
 
-
-
-class UpstreamError(Exception):
-    """An attempt that failed; the message is for the log, never for the client."""
-
-
-class ConnectFailed(UpstreamError):
-    """No connection could be made (refused, unreachable, TLS refused, or past the connect
-    timeout with `timed_out`): nothing was sent, so another target may take the request."""
-
-    def __init__(self, reason: str, *, timed_out: bool = False) -> None:
-        super().__init__(reason)
-        self.timed_out = timed_out
-
-
-class UpstreamTimeout(UpstreamError):
-    """Connected, but the upstream went quiet for longer than the read timeout."""
-
-
-class UpstreamFailed(UpstreamError):
-    """The connection broke, or the upstream sent what is not a valid HTTP/1.1 response."""
-
-
-class BodyFailed(UpstreamError):
-    """The request body's source failed (the client stalled or went away) while it was sent."""
 
 
 class UpstreamResponse:
