@@ -22,7 +22,7 @@ import contextlib
 import logging
 import ssl
 import time
-from collections.abc import AsyncIterable, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import hdrs, web
@@ -38,14 +38,13 @@ from gateway.proxy.problem import RETRY_AFTER_ONE, Problem, problem_response
 from gateway.proxy.route_plan import PoolPlan, RoutePlan, TargetPlan
 from gateway.proxy.websocket import WebSocketConnectFailed, proxy_websocket
 from gateway.upstream.balancing import Outcome, retry_allowed
+from gateway.upstream.body import RequestBody
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.errors import ConnectFailed, UpstreamError, UpstreamTimeout
 from gateway.upstream.slots import UpstreamSlots
 
 log = logging.getLogger(__name__)
 
-# A request body as the client sends it: none, whole, or chunks as they arrive.
-Body = bytes | AsyncIterable[bytes] | None
 _CANNOT_CONNECT = Problem.of(502, "Bad Gateway", "Cannot connect to the upstream.")
 _FAILED = Problem.of(502, "Bad Gateway", "The upstream failed.")
 _UNBOUNDED = contextlib.nullcontext()  # reusable: a route without timeout.total
@@ -151,7 +150,7 @@ class HttpAttempt:
         rest: str,
         headers: CIMultiDict[str],
         host: str | None,
-        body: Body,
+        body: RequestBody,
         length: int | None,
         limit_headers: dict[str, str],
         record: AccessRecord,

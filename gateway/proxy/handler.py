@@ -45,7 +45,6 @@ from gateway.proxy.rejections import body_too_large, concurrency_rejection, not_
 from gateway.proxy.request_body import (
     REQUEST_BUFFER_BYTES,
     STREAM_CHUNK_BYTES,
-    Body,
     awaiting_continue,
     expectation,
     read_ahead,
@@ -55,6 +54,7 @@ from gateway.proxy.route_plan import Plans, RoutePlan, compile_plans
 from gateway.proxy.routing import ConditionRejected
 from gateway.proxy.websocket import ClientLeft, is_websocket_upgrade
 from gateway.upstream.balancing import TargetStates
+from gateway.upstream.body import RequestBody
 from gateway.upstream.health_checks import HealthChecks
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class ProxyHandler:
         self._plans = compile_plans(config, metrics, self._targets.update(config))
         metrics.keep_targets(frozenset(t.name for t in self._plans.pool_targets))
         metrics.keep_routes(self._plans.route_labels, self._plans.limit_names)
-        self._health = HealthChecks(metrics.target_healthy, metrics.show_targets)
+        self._health = HealthChecks(metrics.target_healthy, metrics.show_targets, self._tls_of)
         self._limiter = limiter
         self._metrics = metrics
         self._connections = config.upstream_connections
@@ -95,14 +95,17 @@ class ProxyHandler:
         self._delayed = 0
 
     def _upstream(self, url: str) -> Upstream:
-        tls = None
-        if url[:6].lower() == "https:":
-            if self._tls is None:
-                # The system's trust store (SSL_CERT_FILE too), verified, with each target's
-                # host name for SNI and the certificate check.
-                self._tls = ssl.create_default_context()
-            tls = self._tls
-        return Upstream(url, self._connections, tls)
+        return Upstream(url, self._connections, self._tls_of(url))
+
+    def _tls_of(self, url: str) -> ssl.SSLContext | None:
+        """The TLS context of an https `url`, the proxy's and its health checks' (None for http)."""
+        if url[:6].lower() != "https:":
+            return None
+        if self._tls is None:
+            # The system's trust store (SSL_CERT_FILE too), verified, with each target's
+            # host name for SNI and the certificate check.
+            self._tls = ssl.create_default_context()
+        return self._tls
 
     async def start(self) -> None:
         self._health.update(self._plans.pool_targets)
@@ -371,7 +374,7 @@ class ProxyHandler:
         record: AccessRecord,
     ) -> web.StreamResponse:
         """An HTTP request (not a WebSocket handshake): its body, then the upstream or pool."""
-        body: Body = request.content if request.body_exists else None
+        body: RequestBody = request.content if request.body_exists else None
         try:
             if awaiting_continue(request):
                 await send_continue(request)

@@ -12,9 +12,7 @@ from aiohttp import hdrs, web
 from aiohttp.http import HttpVersion11
 
 from gateway.proxy.problem import problem
-
-# A request body as forwarded: as it streams, whole, or read ahead and then streaming.
-Body = aiohttp.StreamReader | bytes | AsyncIterator[bytes] | None
+from gateway.upstream.body import RequestBody
 
 # Big enough to keep syscalls few, small enough that many streams stay within a
 # modest RSS: 1000 concurrent streams hold at most ~64 MB of chunks.
@@ -57,7 +55,7 @@ async def send_continue(request: web.BaseRequest) -> None:
     await request.writer.drain()
 
 
-async def read_ahead(content: aiohttp.StreamReader, limit: int, *, cap: bool) -> Body:
+async def read_ahead(content: aiohttp.StreamReader, limit: int, *, cap: bool) -> RequestBody:
     """Read the body until it ends or passes `limit` bytes. A body that ended is returned
     whole. Past the limit: None with `cap` (a body too large), or else the bytes read so far
     followed by the rest as it streams in."""

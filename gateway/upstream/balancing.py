@@ -1,5 +1,6 @@
-"""Upstream pools: which target a request goes to, when a target is out of rotation,
-and when a failed attempt may go to another.
+"""Upstream pools, a route's targets: which target a request goes to, when a target is
+out of rotation, and when a failed attempt may go to another. (The connections kept
+open to one target are another thing: gateway.upstream.client's `IdleConnections`.)
 
 Pure: no sockets, no clock of its own (callers pass `now`, a monotonic time), no
 metrics. The proxy asks a `Balancer` for a target and reports each attempt's

@@ -1,18 +1,20 @@
-"""HTTP/1.1 to one upstream: one `asyncio.Protocol` per keep-alive connection, a pool
-of idle ones (`gateway.upstream.connection`), and responses parsed by llhttp
-(httptools), the parser of Node and uvicorn.
+"""HTTP/1.1 to one upstream: one `asyncio.Protocol` per keep-alive connection
+(`gateway.upstream.connection`), the upstream's idle connections kept for the next
+request (`IdleConnections`: connections to one target, not balancing's pool of targets),
+and responses parsed by llhttp (httptools), the parser of Node and uvicorn.
 
 Knows nothing of routes, limits or aiohttp's server. The proxy hands it a method, a
-request target, header lines and a body (bytes, or chunks as they arrive) and gets an
+request target, header lines and a body (`gateway.upstream.body.RequestBody`) and gets an
 `UpstreamResponse` whose body it reads in bounded chunks: past `HIGH_WATER` bytes not
 yet read, the connection stops reading from the upstream (`pause_reading`), and a body
-the upstream does not take pauses its sender (`pause_writing`).
+the upstream does not take pauses its sender (`pause_writing`). What each request's head
+starts with, Host and the URL's credentials, is written once per upstream (`Endpoint`).
 
 Trusts the config's URLs; trusts nothing an upstream sends. A response whose framing is
 ambiguous (Content-Length twice, or beside Transfer-Encoding; a transfer coding other than
 chunked) or that llhttp refuses fails the attempt, and its connection is never reused. A
-connection goes back to the pool only once its response was read to the end and both
-sides meant to keep it. Every failure leaves as one of this module's errors:
+connection is kept idle only once its response was read to the end and both sides meant
+to keep it. Every failure leaves as one of `gateway.upstream.errors`:
 `ConnectFailed` (nothing was sent), `UpstreamTimeout` and `UpstreamFailed`.
 """
 
@@ -23,12 +25,12 @@ import base64
 import collections
 import ssl
 import time
-from collections.abc import AsyncIterable
 from dataclasses import dataclass
 
 from multidict import CIMultiDict
 from yarl import URL
 
+from gateway.upstream.body import RequestBody
 from gateway.upstream.connection import UpstreamConnection, UpstreamResponse
 from gateway.upstream.errors import ConnectFailed, UpstreamFailed
 
@@ -40,13 +42,12 @@ IDLE_SECONDS = 15.0
 IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS", "TRACE"})
 # Methods whose empty body is still announced, as aiohttp's client and curl do.
 _LENGTH_ALWAYS = frozenset({"POST", "PUT", "PATCH"})
-# What a request sends: whole bytes, chunks as they arrive (sent chunked), or nothing.
-RequestBody = bytes | AsyncIterable[bytes] | None
 
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    """Where an upstream base URL points, and what each request to it writes."""
+    """Where an upstream base URL points, and the parts of each request's head that only
+    the URL decides, written once here rather than on every request."""
 
     host: str
     port: int
@@ -54,6 +55,11 @@ class Endpoint:
     authority: str  # the Host header: host, and the port when it is not the scheme's
     base_path: str  # the URL's path, before each request's own
     authorization: str | None  # Basic credentials from the URL's user information, replacing the request's
+    # What follows the request target: the version and the Host line (`authority`). A
+    # request that keeps its client's Host writes its own.
+    after_target: str
+    # The Authorization line of `authorization`, written after the request's headers; "" without one.
+    authorization_line: str
 
     @classmethod
     def of(cls, url: str, tls: ssl.SSLContext | None) -> Endpoint:
@@ -73,15 +79,51 @@ class Endpoint:
             authority=authority,
             base_path=parsed.raw_path.rstrip("/"),
             authorization=authorization,
+            after_target=_after_target(authority),
+            authorization_line="" if authorization is None else f"Authorization: {authorization}\r\n",
         )
 
 
+def _after_target(host: str) -> str:
+    return f" HTTP/1.1\r\nHost: {host}\r\n"
+
+
+class IdleConnections:
+    """The connections to one upstream that no request is using, kept alive for the next
+    ones: the most recently released is taken first, and one idle past `IDLE_SECONDS` is
+    closed instead. (Balancing's pool is another thing: the targets of a route.)"""
+
+    __slots__ = ("_kept",)
+
+    def __init__(self) -> None:
+        self._kept: collections.deque[tuple[float, UpstreamConnection]] = collections.deque()  # (since, connection)
+
+    def keep(self, connection: UpstreamConnection) -> None:
+        self._kept.append((time.monotonic(), connection))
+
+    def take(self) -> UpstreamConnection | None:
+        """The most recently kept connection still open, or None."""
+        kept = self._kept
+        stale = time.monotonic() - IDLE_SECONDS
+        while kept and kept[0][0] < stale:
+            kept.popleft()[1].close()
+        while kept:
+            connection = kept.pop()[1]  # the most recently used: the least likely to be closed by now
+            if connection.open:
+                return connection
+        return None
+
+    def close(self) -> None:
+        while self._kept:
+            self._kept.pop()[1].close()
+
+
 class UpstreamClient:
-    """The idle connections to one upstream, and requests sent over them."""
+    """Requests to one upstream, sent over its idle connections or new ones."""
 
     def __init__(self, url: str, tls: ssl.SSLContext | None) -> None:
         self.endpoint = Endpoint.of(url, tls)
-        self._idle: collections.deque[UpstreamConnection] = collections.deque()
+        self._idle = IdleConnections()
         self._closed = False
 
     async def request(
@@ -104,7 +146,7 @@ class UpstreamClient:
         answer is sent once more on a new connection when it may be: its method is
         idempotent and its body can be sent again."""
         head = self._head(method, target, headers, body, length, host)
-        connection = self._take_idle()
+        connection = self._idle.take()
         if connection is not None:
             try:
                 return await connection.exchange(method, head, body, length, read_timeout)
@@ -115,13 +157,12 @@ class UpstreamClient:
         return await connection.exchange(method, head, body, length, read_timeout)
 
     def release(self, response: UpstreamResponse) -> None:
-        """The caller is done with `response`: its connection is kept for the next request
-        when the response was read to the end and both sides keep it, else closed."""
+        """The caller is done with `response`: its connection is kept idle for the next
+        request when the response was read to the end and both sides keep it, else closed."""
         connection = response._connection
         if connection.reusable() and not self._closed:
             connection.reset()
-            connection.idle_since = time.monotonic()
-            self._idle.append(connection)
+            self._idle.keep(connection)
         else:
             connection.close()
 
@@ -132,19 +173,7 @@ class UpstreamClient:
     def close(self) -> None:
         """Close every idle connection; those in use close as they are released."""
         self._closed = True
-        while self._idle:
-            self._idle.pop().close()
-
-    def _take_idle(self) -> UpstreamConnection | None:
-        idle = self._idle
-        stale = time.monotonic() - IDLE_SECONDS
-        while idle and idle[0].idle_since < stale:
-            idle.popleft().close()
-        while idle:
-            connection = idle.pop()  # the most recently used: the least likely to be closed by now
-            if connection.open:
-                return connection
-        return None
+        self._idle.close()
 
     async def _connect(self, timeout: float) -> UpstreamConnection:
         endpoint = self.endpoint
@@ -170,17 +199,18 @@ class UpstreamClient:
 
     def _head(self, method: str, target: str, headers: CIMultiDict[str], body: RequestBody, length: int | None, host: str | None) -> bytes:
         endpoint = self.endpoint
-        lines = [f"{method} {endpoint.base_path}{target} HTTP/1.1\r\nHost: {host or endpoint.authority}\r\n"]
-        if endpoint.authorization is None:
-            for name, value in headers.items():
-                lines.append(f"{name}: {value}\r\n")
-        else:
+        after_target = endpoint.after_target if host is None else _after_target(host)
+        lines = [f"{method} {endpoint.base_path}{target}{after_target}"]
+        if endpoint.authorization_line and "Authorization" in headers:  # a lookup that ignores case
             # The URL's credentials are the gateway's login to this upstream: they replace the
             # client's, whom the upstream would otherwise see beside them, or instead of them.
             for name, value in headers.items():
                 if name.lower() != "authorization":
                     lines.append(f"{name}: {value}\r\n")
-            lines.append(f"Authorization: {endpoint.authorization}\r\n")
+        else:
+            for name, value in headers.items():
+                lines.append(f"{name}: {value}\r\n")
+        lines.append(endpoint.authorization_line)
         if body is None:
             lines.append("Content-Length: 0\r\n\r\n" if method in _LENGTH_ALWAYS else "\r\n")
         elif length is not None:
