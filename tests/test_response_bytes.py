@@ -131,6 +131,15 @@ async def test_a_header_llhttp_refuses_is_a_502_and_none_of_it_is_sent(line):
     assert not any(sent.startswith(name + b":") for sent in lines)
 
 
+@pytest.mark.parametrize("reason", [b"O\x01K", b"O\x7fK", b"O\x00K", b"O\x0bK"])
+async def test_a_control_byte_in_the_reason_phrase_is_a_502(reason):
+    """llhttp lets these through in a reason phrase, and nowhere else in a head."""
+    status, lines, body = await relayed(answer_with(b"X-Upstream: yes", status_line=b"HTTP/1.1 200 " + reason))
+    assert status == 502
+    assert b"X-Upstream: yes" not in lines
+    assert b"ok" not in body
+
+
 # --- the head, and the Location rule, on their own ---------------------------------------------
 
 

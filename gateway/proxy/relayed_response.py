@@ -14,8 +14,9 @@ Obs-text (0x80-0xFF) is passed on, not refused: RFC 9110 §5.5 lets a recipient 
 nginx relays header bytes unchanged, and Envoy's HTTP/1 codec accepts it
 (`HeaderUtility::headerValueIsValid`, obs-text allowed) and relays the bytes. Control
 bytes are refused as Envoy refuses them (nginx only NUL): llhttp fails the attempt on
-one, a 502 before anything is written. `serialized_head` refuses them again, as
-aiohttp's writer does, so no value can split a line whatever reaches it.
+one in a header field, and the relay on one in the reason phrase (`relayable_reason`),
+a 502 before anything is written. `serialized_head` refuses them again, as aiohttp's
+writer does, so no value can split a line whatever reaches it.
 
 Trusts nothing in the values. Names are tokens: llhttp and the config loader allow
 nothing else, so encoding them is the identity.
@@ -38,6 +39,12 @@ def field_bytes(value: str) -> bytes:
     """The bytes a header value is written as: those the upstream connection (and aiohttp,
     for a client's request) decoded it from."""
     return value.encode("utf-8", "surrogateescape")
+
+
+def relayable_reason(reason: str) -> bool:
+    """Whether a reason phrase holds no control character (RFC 9112 §4: HTAB, SP, VCHAR
+    and obs-text only), which llhttp lets through there and nowhere else in a head."""
+    return _CONTROL.search(reason) is None
 
 
 def serialized_head(version: HttpVersion, status: int, reason: str, headers: CIMultiDict[str]) -> bytes:
