@@ -78,7 +78,7 @@ class RelayedResponse(web.StreamResponse):
         assert request is not None and isinstance(writer, StreamWriter)
         # What StreamWriter.write_headers does with the head it serializes: hold it, to go
         # out with the first body bytes or at once.
-        writer._headers_buf = serialized_head(request.version, self.status, self.reason, self.headers)
+        writer._headers_buf = serialized_head(request.version, self._status, self._reason, self._headers)
         writer._headers_written = False
         if self._send_headers_immediately:
             writer.send_headers()
