@@ -1,6 +1,7 @@
 """A relayed response's status line and header fields reach the client as the bytes the
 upstream sent, obs-text (bytes 0x80-0xFF) included, as nginx and Envoy pass them; what
-llhttp refuses in a header (a control byte, a byte outside a token in a name) is a 502.
+llhttp refuses in a header (a control byte, a byte outside a token in a name) is a 502,
+and so is a control byte in the reason phrase, which llhttp lets through.
 
 The upstreams are raw TCP servers writing exact bytes (`RawUpstream`), the gateway runs as
 `running_gateway` starts it, and the client reads the answer's bytes off a raw socket.
