@@ -84,6 +84,8 @@ async def test_obs_text_in_a_header_arrives_byte_for_byte(line):
     status, lines, body = await relayed(answer_with(line, status_line=b"HTTP/1.1 200 OK"))
     assert status == 200
     assert line in lines
+    # The fields the gateway and aiohttp write go out in the same head.
+    assert b"Content-Length: 2" in lines and any(sent.startswith(b"X-Request-ID: ") for sent in lines)
     assert body == b"ok"
 
 
@@ -151,12 +153,18 @@ def test_the_head_is_the_bytes_each_value_was_decoded_from():
     assert serialized_head(HttpVersion10, 204, "", CIMultiDict()) == b"HTTP/1.0 204 \r\n\r\n"
 
 
+def test_an_ascii_head_is_the_same_bytes_as_any_other():
+    headers = CIMultiDict([("Location", "/x"), ("X-Twice", "1"), ("X-Twice", "2")])
+    assert serialized_head(HttpVersion11, 302, "Found", headers) == b"HTTP/1.1 302 Found\r\nLocation: /x\r\nX-Twice: 1\r\nX-Twice: 2\r\n\r\n"
+
+
 @pytest.mark.parametrize("value", ["a\r\nSet-Cookie: x=1", "a\nb", "a\rb", "a\x00b", "a\x7fb", "a\x1bb"])
-def test_the_head_refuses_a_control_character_rather_than_split_a_line(value):
+@pytest.mark.parametrize("beside", ["ascii", "caf\udce9"])  # aiohttp's serializer, then our own
+def test_the_head_refuses_a_control_character_rather_than_split_a_line(value, beside):
     with pytest.raises(ValueError, match="control character"):
-        serialized_head(HttpVersion11, 200, "OK", CIMultiDict({"X-Injected": value}))
+        serialized_head(HttpVersion11, 200, "OK", CIMultiDict({"X-Beside": beside, "X-Injected": value}))
     with pytest.raises(ValueError, match="control character"):
-        serialized_head(HttpVersion11, 200, value, CIMultiDict())
+        serialized_head(HttpVersion11, 200, value, CIMultiDict({"X-Beside": beside}))
 
 
 @pytest.mark.parametrize(

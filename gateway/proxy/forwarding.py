@@ -203,7 +203,7 @@ class HttpAttempt:
         outcome = Outcome.SERVER_ERROR if upstream.status >= 500 else Outcome.ANSWERED
         try:
             record.upstream_status, record.upstream_ms = upstream.status, round(latency * 1000, 3)
-            if not relayable_reason(upstream.reason):
+            if not upstream.reason.isprintable() and not relayable_reason(upstream.reason):
                 # llhttp lets control bytes through in a reason phrase alone; sent, they could end the line.
                 outcome = Outcome.FAILED
                 log.warning("upstream %s failed: a control byte in its reason phrase", target.where)

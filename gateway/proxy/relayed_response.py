@@ -6,11 +6,10 @@ with surrogateescape (a byte that is no part of a UTF-8 character becomes a lone
 U+DC80-U+DCFF), the reason phrase as Latin-1. aiohttp's head writer encodes every value
 as UTF-8 and its C writer drops lone surrogates without a word: `filename="r\\xe9sum\\xe9.pdf"`
 left as `"rsum.pdf"`, and `Location: /\\xff/evil.example`, which the Location rule had
-passed, left as `//evil.example`, another host. So a relayed response with any byte
-outside ASCII in its head writes that head itself, each value encoded back as it was
-decoded (`field_bytes`): the upstream's bytes, obs-text included, and the bytes every
-rule before it read. An all-ASCII head, the usual one, is the same bytes either way
-and goes through aiohttp's writer, which is in C.
+passed, left as `//evil.example`, another host. So a relayed response writes its head
+itself, each value encoded back as it was decoded (`field_bytes`): the upstream's bytes,
+obs-text included, and the bytes every rule before it read. An all-ASCII head, the
+usual one, is the same bytes either way and goes through aiohttp's serializer, in C.
 
 Obs-text (0x80-0xFF) is passed on, not refused: RFC 9110 §5.5 lets a recipient keep it,
 nginx relays header bytes unchanged, and Envoy's HTTP/1 codec accepts it
@@ -31,6 +30,7 @@ import re
 from aiohttp import hdrs, web
 from aiohttp.http import HttpVersion
 from aiohttp.http_writer import StreamWriter
+from aiohttp.http_writer import _serialize_headers as _ascii_head
 from multidict import CIMultiDict
 
 # RFC 9110 §5.5: no CTL but HTAB in a field value; CR and LF would end the line.
@@ -46,12 +46,15 @@ def field_bytes(value: str) -> bytes:
 def relayable_reason(reason: str) -> bool:
     """Whether a reason phrase holds no control character (RFC 9112 §4: HTAB, SP, VCHAR
     and obs-text only), which llhttp lets through there and nowhere else in a head."""
-    return reason.isprintable() or _CONTROL.search(reason) is None  # the first, quicker, for most
+    return _CONTROL.search(reason) is None
 
 
 def serialized_head(version: HttpVersion, status: int, reason: str, headers: CIMultiDict[str]) -> bytes:
     """The status line and header fields, each value as `field_bytes` and the reason phrase
     as Latin-1. Raises ValueError on a control character, which would split a line."""
+    if reason.isascii() and "".join(headers.values()).isascii():
+        # ASCII is one byte a character either way, and aiohttp's serializer, in C, is the quicker.
+        return _ascii_head(f"HTTP/{version.major}.{version.minor} {status} {reason}", headers)
     lines = list(map(": ".join, headers.items()))
     if _CONTROL.search(reason) is not None or _CONTROL.search("".join(lines)) is not None:
         raise ValueError("Forbidden control character in a response header")
@@ -75,10 +78,6 @@ class RelayedResponse(web.StreamResponse):
             self.headers.popall(hdrs.CONTENT_TYPE, None)
 
     async def _write_headers(self) -> None:  # aiohttp's, run once every field is final
-        if self._reason.isascii() and "".join(self._headers.values()).isascii():
-            # ASCII is one byte a character either way, and aiohttp's writer, in C, is the faster.
-            await super()._write_headers()
-            return
         request = self._req
         writer = self._payload_writer
         assert request is not None and isinstance(writer, StreamWriter)
