@@ -35,6 +35,7 @@ from gateway.proxy.access_log import AccessRecord
 from gateway.proxy.bounded_protocol import ClientLimitExceeded, hung_up
 from gateway.proxy.header_rewrite import rewrite_headers
 from gateway.proxy.problem import RETRY_AFTER_ONE, Problem, problem_response
+from gateway.proxy.relayed_response import ArrivedResponse, RelayedResponse, relayable_reason
 from gateway.proxy.route_plan import PoolPlan, RoutePlan, TargetPlan
 from gateway.proxy.websocket import WebSocketConnectFailed, proxy_websocket
 from gateway.upstream.balancing import Outcome, retry_allowed
@@ -201,8 +202,13 @@ class HttpAttempt:
         outcome = Outcome.SERVER_ERROR if upstream.status >= 500 else Outcome.ANSWERED
         try:
             record.upstream_status, record.upstream_ms = upstream.status, round(latency * 1000, 3)
+            if not upstream.reason.isprintable() and not relayable_reason(upstream.reason):
+                # llhttp lets control bytes through in a reason phrase alone; sent, they could end the line.
+                outcome = Outcome.FAILED
+                log.warning("upstream %s failed: a control byte in its reason phrase", target.where)
+                return _FAILED.response(limit_headers)
             arrived = upstream.arrived
-            response = (_ArrivedResponse if arrived else _RelayedResponse)(status=upstream.status, reason=upstream.reason)
+            response = (ArrivedResponse if arrived else RelayedResponse)(status=upstream.status, reason=upstream.reason)
             response.headers.extend(upstream.headers)
             plan.locations.apply(response.headers, headers)
             if plan.response_headers is not None:
@@ -323,25 +329,3 @@ def _next_target(
         return failed
     plan.unavailable(NO_TARGET).inc()
     return pool.no_target.response({**limit_headers, **RETRY_AFTER_ONE})
-
-
-class _RelayedResponse(web.StreamResponse):
-    """An upstream's response, relayed with no Content-Type where the upstream sent none.
-    aiohttp gives any response with content one of application/octet-stream, which tells a
-    browser to download what it would otherwise have sniffed and shown (RFC 9110 §8.3 leaves
-    that to the recipient); nginx and Envoy add none either."""
-
-    async def _prepare_headers(self) -> None:  # aiohttp's, run as the response starts
-        typed = hdrs.CONTENT_TYPE in self.headers
-        await super()._prepare_headers()
-        if not typed:
-            self.headers.popall(hdrs.CONTENT_TYPE, None)
-
-
-class _ArrivedResponse(_RelayedResponse):
-    """For an upstream response whose body has already arrived whole: its status line and
-    headers wait for that body and leave with it in one write, as aiohttp's own Response
-    does, instead of a write each. The client waits for nothing, since nothing is left to
-    wait for; a body still arriving streams through StreamResponse, headers first."""
-
-    _send_headers_immediately = False  # aiohttp's switch, False in its Response class

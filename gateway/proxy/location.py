@@ -16,8 +16,18 @@ route names. A Host header is the client's to choose, so one no route names is
 never written into a redirect for someone else to follow (a poisoned cache).
 A path alone never starts `//` or `/\\` (the upstream's
 `http://up//evil.example/phish`): a browser reads that as another host, so the
-second character is percent-encoded, and tab, CR and LF, which browsers drop
+second byte is percent-encoded, and tab, CR and LF, which browsers drop
 from a URL before reading it, are percent-encoded throughout.
+
+The rule reads the bytes that are sent. Values hold the upstream's bytes decoded as
+UTF-8 with surrogateescape, and gateway.proxy.relayed_response writes exactly those
+bytes back (`field_bytes`), obs-text included: `http://up/\\xff/evil.example` becomes
+`/\\xff/evil.example`, whose second byte is no slash. Nor does a browser make one of
+it: before reading a Location as a URL (WHATWG URL) it removes tab, CR and LF
+anywhere and C0 controls and spaces at either end, reads `\\` as `/`, and
+percent-encodes a byte outside ASCII (the byte itself, or what it decodes as UTF-8,
+U+FFFD for a byte that is none): `/%FF/evil.example` or `/%EF%BF%BD/evil.example`,
+a path of this host.
 
 Trusts the config; the response headers come from the upstream the route names.
 """
@@ -32,6 +42,7 @@ from multidict import CIMultiDict
 
 from gateway.config.http_names import request_host
 from gateway.proxy.protocol import VALID_HOST
+from gateway.proxy.relayed_response import field_bytes
 from gateway.proxy.routing import WILDCARD
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -40,8 +51,8 @@ _NAMES = ("Location", "Content-Location")
 _PATH_SAFE = "/!$&'()*+,;=:@~"
 # What a browser removes from a URL before parsing it (WHATWG URL), so "/\t/evil" is "//evil".
 _DROPPED = str.maketrans({"\t": "%09", "\n": "%0A", "\r": "%0D"})
-# A path alone that starts with one of these is read as another host: its second character, encoded.
-_ANOTHER_HOST = {"/": "/%2F", "\\": "/%5C"}
+# A path alone whose second byte is one of these is read as another host: that byte, encoded.
+_ANOTHER_HOST = {b"/": "/%2F", b"\\": "/%5C"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +113,7 @@ class LocationRewrite:
         if public_origin:
             return public_origin + self.prefix + rest
         path = (self.prefix + rest).translate(_DROPPED)
-        another = _ANOTHER_HOST.get(path[1:2])
+        another = _ANOTHER_HOST.get(field_bytes(path)[1:2])
         return another + path[2:] if another is not None else path
 
     def _public_origin(self, forwarded: CIMultiDict[str]) -> str:

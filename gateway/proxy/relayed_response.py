@@ -1,0 +1,98 @@
+"""An upstream's response as the gateway relays it, its head written as the bytes the
+upstream sent.
+
+The upstream connection hands the head over losslessly: header values decoded as UTF-8
+with surrogateescape (a byte that is no part of a UTF-8 character becomes a lone surrogate,
+U+DC80-U+DCFF), the reason phrase as Latin-1. aiohttp's head writer encodes every value
+as UTF-8 and its C writer drops lone surrogates without a word: `filename="r\\xe9sum\\xe9.pdf"`
+left as `"rsum.pdf"`, and `Location: /\\xff/evil.example`, which the Location rule had
+passed, left as `//evil.example`, another host. So a relayed response writes its head
+itself, each value encoded back as it was decoded (`field_bytes`): the upstream's bytes,
+obs-text included, and the bytes every rule before it read. An all-ASCII head, the
+usual one, is the same bytes either way and goes through aiohttp's serializer, in C.
+
+Obs-text (0x80-0xFF) is passed on, not refused: RFC 9110 §5.5 lets a recipient keep it,
+nginx relays header bytes unchanged, and Envoy's HTTP/1 codec accepts it
+(`HeaderUtility::headerValueIsValid`, obs-text allowed) and relays the bytes. Control
+bytes are refused as Envoy refuses them (nginx is laxer): llhttp fails the attempt on
+one in a header field, and the relay on one in the reason phrase (`relayable_reason`),
+a 502 before anything is written. `serialized_head` refuses them again, as aiohttp's
+writer does, so no value can split a line whatever reaches it.
+
+Trusts nothing in the values. Names are tokens: llhttp and the config loader allow
+nothing else, so encoding them is the identity.
+"""
+
+from __future__ import annotations
+
+import re
+
+from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion
+from aiohttp.http_writer import StreamWriter
+from aiohttp.http_writer import _serialize_headers as _ascii_head
+from multidict import CIMultiDict
+
+# RFC 9110 §5.5: no CTL but HTAB in a field value; CR and LF would end the line.
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def field_bytes(value: str) -> bytes:
+    """The bytes a header value is written as: those the upstream connection (and aiohttp,
+    for a client's request) decoded it from."""
+    return value.encode("utf-8", "surrogateescape")
+
+
+def relayable_reason(reason: str) -> bool:
+    """Whether a reason phrase holds no control character (RFC 9112 §4: HTAB, SP, VCHAR
+    and obs-text only), which llhttp lets through there and nowhere else in a head."""
+    return _CONTROL.search(reason) is None
+
+
+def serialized_head(version: HttpVersion, status: int, reason: str, headers: CIMultiDict[str]) -> bytes:
+    """The status line and header fields, each value as `field_bytes` and the reason phrase
+    as Latin-1. Raises ValueError on a control character, which would split a line."""
+    if reason.isascii() and "".join(headers.values()).isascii():
+        # ASCII is one byte a character either way, and aiohttp's serializer, in C, is the quicker.
+        return _ascii_head(f"HTTP/{version.major}.{version.minor} {status} {reason}", headers)
+    lines = list(map(": ".join, headers.items()))
+    if _CONTROL.search(reason) is not None or _CONTROL.search("".join(lines)) is not None:
+        raise ValueError("Forbidden control character in a response header")
+    status_line = b"HTTP/%d.%d %d %s\r\n" % (version.major, version.minor, status, reason.encode("latin-1"))
+    if not lines:
+        return status_line + b"\r\n"
+    return status_line + field_bytes("\r\n".join(lines)) + b"\r\n\r\n"
+
+
+class RelayedResponse(web.StreamResponse):
+    """An upstream's response: its head the upstream's bytes, with no Content-Type where
+    the upstream sent none. aiohttp gives any response with content one of
+    application/octet-stream, which tells a browser to download what it would otherwise
+    have sniffed and shown (RFC 9110 §8.3 leaves that to the recipient); nginx and Envoy
+    add none either."""
+
+    async def _prepare_headers(self) -> None:  # aiohttp's, run as the response starts
+        typed = hdrs.CONTENT_TYPE in self.headers
+        await super()._prepare_headers()
+        if not typed:
+            self.headers.popall(hdrs.CONTENT_TYPE, None)
+
+    async def _write_headers(self) -> None:  # aiohttp's, run once every field is final
+        request = self._req
+        writer = self._payload_writer
+        assert request is not None and isinstance(writer, StreamWriter)
+        # What StreamWriter.write_headers does with the head it serializes: hold it, to go
+        # out with the first body bytes or at once.
+        writer._headers_buf = serialized_head(request.version, self._status, self._reason, self._headers)
+        writer._headers_written = False
+        if self._send_headers_immediately:
+            writer.send_headers()
+
+
+class ArrivedResponse(RelayedResponse):
+    """For an upstream response whose body has already arrived whole: its status line and
+    headers wait for that body and leave with it in one write, as aiohttp's own Response
+    does, instead of a write each. The client waits for nothing, since nothing is left to
+    wait for; a body still arriving streams through RelayedResponse, headers first."""
+
+    _send_headers_immediately = False  # aiohttp's switch, False in its Response class
