@@ -55,6 +55,7 @@ from gateway.proxy.route_plan import Plans, RoutePlan, compile_plans
 from gateway.proxy.routing import ConditionRejected
 from gateway.proxy.websocket import ClientLeft, is_websocket_upgrade
 from gateway.upstream.balancing import TargetStates
+from gateway.upstream.connection import HeadBounds
 from gateway.upstream.health_checks import HealthChecks
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class ProxyHandler:
         self._limiter = limiter
         self._metrics = metrics
         self._connections = config.upstream_connections
+        self._head_bounds = HeadBounds(max_size=config.upstream_max_header_size, max_lines=config.upstream_max_header_lines)
         # One TLS context for every https upstream, made with the first: loading the system's
         # trust store costs tens of milliseconds, which a gateway without one never pays.
         self._tls: ssl.SSLContext | None = None
@@ -102,7 +104,7 @@ class ProxyHandler:
                 # host name for SNI and the certificate check.
                 self._tls = ssl.create_default_context()
             tls = self._tls
-        return Upstream(url, self._connections, tls)
+        return Upstream(url, self._connections, tls, self._head_bounds)
 
     async def start(self) -> None:
         self._health.update(self._plans.pool_targets)

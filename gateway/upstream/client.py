@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from multidict import CIMultiDict
 from yarl import URL
 
-from gateway.upstream.connection import UpstreamConnection, UpstreamResponse
+from gateway.upstream.connection import HeadBounds, UpstreamConnection, UpstreamResponse
 from gateway.upstream.errors import ConnectFailed, UpstreamFailed
 
 # An idle connection older than this is closed rather than reused: upstreams close idle
@@ -79,8 +79,9 @@ class Endpoint:
 class UpstreamClient:
     """The idle connections to one upstream, and requests sent over them."""
 
-    def __init__(self, url: str, tls: ssl.SSLContext | None) -> None:
+    def __init__(self, url: str, tls: ssl.SSLContext | None, bounds: HeadBounds = HeadBounds()) -> None:
         self.endpoint = Endpoint.of(url, tls)
+        self._bounds = bounds
         self._idle: collections.deque[UpstreamConnection] = collections.deque()
         self._closed = False
 
@@ -149,7 +150,7 @@ class UpstreamClient:
     async def _connect(self, timeout: float) -> UpstreamConnection:
         endpoint = self.endpoint
         loop = asyncio.get_running_loop()
-        connection = UpstreamConnection(loop)
+        connection = UpstreamConnection(loop, self._bounds)
         try:
             async with asyncio.timeout(timeout):
                 await loop.create_connection(
