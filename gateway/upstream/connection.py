@@ -84,7 +84,7 @@ class Exchange:
 
     __slots__ = (
         "answering", "buffered", "chunks", "complete", "framing", "head_lines", "head_only", "head_received",
-        "head_size", "interim", "keep_alive", "names_values", "read_timeout", "reason", "response", "sender", "waiter",
+        "head", "head_size", "interim", "keep_alive", "names_values", "read_timeout", "reason", "sender", "waiter",
     )
 
     def __init__(self, head_only: bool, read_timeout: float) -> None:
@@ -92,7 +92,9 @@ class Exchange:
         self.read_timeout = read_timeout
         self.answering = False  # some byte of the answer has arrived
         self.complete = False  # the response's body has ended
-        self.response: UpstreamResponse | None = None
+        # The final head once parsed: status, reason, end-to-end headers. Not the response,
+        # which holds the connection: the connection holds this, and a cycle would outlive it.
+        self.head: tuple[int, str, CIMultiDict[str]] | None = None
         self.framing = Framing.CLOSE
         self.keep_alive = False
         self.interim = False  # the head being parsed is a 1xx to skip
@@ -116,7 +118,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._bounds = bounds
         self._transport: asyncio.Transport | None = None
         self._flow: FlowControl | None = None
-        self._parser = httptools.HttpResponseParser(self)
+        # llhttp calls this connection's bound methods: a cycle, made once connected and
+        # broken when the connection is lost.
+        self._parser: httptools.HttpResponseParser | None = None
         self.open = False
         self.idle_since = 0.0
         self._exchange: Exchange | None = None
@@ -136,18 +140,19 @@ class UpstreamConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         self._flow = FlowControl(self._transport)  # type: ignore[arg-type]
+        self._parser = httptools.HttpResponseParser(self)
         self.open = True
 
     def data_received(self, data: bytes) -> None:
         self._last_progress = self._loop.time()
         exchange = self._exchange
-        if exchange is None or exchange.complete or (exchange.response is None and exchange.waiter is None):
+        if exchange is None or exchange.complete or (exchange.head is None and exchange.waiter is None):
             # Bytes nobody asked for (an idle connection, or past a response): never reuse it.
             self._fail(UpstreamFailed, "the upstream sent bytes outside a response")
             return
         exchange.answering = True
         try:
-            self._parser.feed_data(data)
+            self._parser.feed_data(data)  # type: ignore[union-attr]  # None only once the connection is lost
         except httptools.HttpParserError as exc:
             # A callback's own refusal is the context of llhttp's "User callback error".
             self._fail(UpstreamFailed, f"invalid response: {exc.__context__ or exc}")
@@ -155,7 +160,7 @@ class UpstreamConnection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamFailed, "the upstream switched protocols")
             return
-        if exchange.response is None:
+        if exchange.head is None:
             # Every byte of this read was head: llhttp holds a line's unfinished part, so the
             # bound is checked here too, at most one read past it.
             exchange.head_received += len(data)
@@ -167,11 +172,12 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.open = False
+        self._parser = None
         exchange = self._exchange
-        if exchange is not None and exchange.response is not None and exchange.framing is Framing.CLOSE and not exchange.complete:
+        if exchange is not None and exchange.head is not None and exchange.framing is Framing.CLOSE and not exchange.complete:
             exchange.complete = True  # a body delimited by the close of the connection (RFC 9112 §6.3)
             self._wake(exchange)
-        elif exchange is None or not exchange.complete or exchange.response is None:
+        elif exchange is None or not exchange.complete or exchange.head is None:
             self._fail(UpstreamFailed, str(exc) if exc else "the upstream closed the connection")
         if self._flow is not None:
             self._flow.resume_writing()
@@ -216,6 +222,7 @@ class UpstreamConnection(asyncio.Protocol):
         exchange = self._exchange
         assert exchange is not None
         parser = self._parser
+        assert parser is not None
         status = parser.get_status_code()
         version = _VERSIONS.get(parser.get_http_version(), (0, 0))
         check_status_line(version, status)
@@ -250,7 +257,7 @@ class UpstreamConnection(asyncio.Protocol):
         for token in tokens:
             if token:
                 headers.popall(token.decode("latin-1"), None)
-        exchange.response = UpstreamResponse(status, exchange.reason.decode("latin-1"), headers, self, exchange)
+        exchange.head = (status, exchange.reason.decode("latin-1"), headers)
         if framing is Framing.NONE:
             exchange.complete = True
             # llhttp would wait for the body a HEAD response's Content-Length announces.
@@ -305,12 +312,13 @@ class UpstreamConnection(asyncio.Protocol):
                 sender = exchange.sender = asyncio.ensure_future(self._send(body, chunked=length is None))
                 sender.add_done_callback(partial(self._sent, exchange))
         try:
-            while exchange.response is None:
+            while exchange.head is None:
                 await self.wait(exchange)
         except BaseException:
             self.close()
             raise
-        return exchange.response
+        status, reason, headers = exchange.head
+        return UpstreamResponse(status, reason, headers, self, exchange)
 
     async def _send(self, body: AsyncIterable[bytes], *, chunked: bool) -> None:
         transport = self._transport
