@@ -126,7 +126,8 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
             "shutdown_grace", "forwarded_headers", "jwt", "path_normalization", "admin_token_env",
             "admin_raw_identities", "admin_hosts", "identity_max_length",
             "client_header_timeout", "client_body_timeout", "keepalive_timeout", "keepalive_requests",
-            "max_header_size", "upstream_connections", "upstream_max_header_size", "upstream_max_header_lines", "access_log", "response", "max_delayed", "client_ip",
+            "max_header_size", "upstream_connections", "upstream_max_header_size", "upstream_max_header_lines",
+            "access_log", "response", "max_delayed", "client_ip",
             "local_store_memory", "rls_listen", "rls_config", "rls_merge_domains", "decision_listen",
         ),
     )

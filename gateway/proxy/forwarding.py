@@ -39,7 +39,7 @@ from gateway.proxy.route_plan import PoolPlan, RoutePlan, TargetPlan
 from gateway.proxy.websocket import WebSocketConnectFailed, proxy_websocket
 from gateway.upstream.balancing import Outcome, retry_allowed
 from gateway.upstream.client import UpstreamClient
-from gateway.upstream.connection import HeadBounds
+from gateway.upstream.connection import DEFAULT_BOUNDS, HeadBounds
 from gateway.upstream.errors import ConnectFailed, UpstreamError, UpstreamTimeout
 from gateway.upstream.slots import UpstreamSlots
 
@@ -56,7 +56,7 @@ class Upstream:
     """What one upstream base URL has in this process: its slots, its keep-alive HTTP/1.1
     connections, and the aiohttp sessions its WebSocket handshakes go out on."""
 
-    def __init__(self, url: str, connections: int, tls: ssl.SSLContext | None, bounds: HeadBounds = HeadBounds()) -> None:
+    def __init__(self, url: str, connections: int, tls: ssl.SSLContext | None, bounds: HeadBounds = DEFAULT_BOUNDS) -> None:
         """`tls`: the context of an https `url` (None for http); `bounds`: its response heads'."""
         self.url = url
         self.slots = UpstreamSlots(connections)

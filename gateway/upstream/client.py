@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from multidict import CIMultiDict
 from yarl import URL
 
-from gateway.upstream.connection import HeadBounds, UpstreamConnection, UpstreamResponse
+from gateway.upstream.connection import DEFAULT_BOUNDS, HeadBounds, UpstreamConnection, UpstreamResponse
 from gateway.upstream.errors import ConnectFailed, UpstreamFailed
 
 # An idle connection older than this is closed rather than reused: upstreams close idle
@@ -79,7 +79,7 @@ class Endpoint:
 class UpstreamClient:
     """The idle connections to one upstream, and requests sent over them."""
 
-    def __init__(self, url: str, tls: ssl.SSLContext | None, bounds: HeadBounds = HeadBounds()) -> None:
+    def __init__(self, url: str, tls: ssl.SSLContext | None, bounds: HeadBounds = DEFAULT_BOUNDS) -> None:
         self.endpoint = Endpoint.of(url, tls)
         self._bounds = bounds
         self._idle: collections.deque[UpstreamConnection] = collections.deque()

@@ -48,6 +48,9 @@ class HeadBounds:
     max_lines: int = DEFAULT_UPSTREAM_MAX_HEADER_LINES
 
 
+DEFAULT_BOUNDS = HeadBounds()
+
+
 class UpstreamResponse:
     """The status line and end-to-end headers of an upstream's answer (hop-by-hop fields,
     and those its Connection names, removed), and its body as it arrives."""
@@ -83,8 +86,23 @@ class Exchange:
     """One request and its response: everything that is reset between two of them."""
 
     __slots__ = (
-        "answering", "buffered", "chunks", "complete", "framing", "head_lines", "head_only", "head_received",
-        "head", "head_size", "interim", "keep_alive", "names_values", "read_timeout", "reason", "sender", "waiter",
+        "answering",
+        "buffered",
+        "chunks",
+        "complete",
+        "framing",
+        "head",
+        "head_lines",
+        "head_only",
+        "head_received",
+        "head_size",
+        "interim",
+        "keep_alive",
+        "names_values",
+        "read_timeout",
+        "reason",
+        "sender",
+        "waiter",
     )
 
     def __init__(self, head_only: bool, read_timeout: float) -> None:
@@ -113,7 +131,7 @@ class UpstreamConnection(asyncio.Protocol):
     """One keep-alive connection, carrying one exchange at a time. llhttp calls the
     `on_*` methods as the response's bytes are fed to it."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, bounds: HeadBounds = HeadBounds()) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, bounds: HeadBounds = DEFAULT_BOUNDS) -> None:
         self._loop = loop
         self._bounds = bounds
         self._transport: asyncio.Transport | None = None
