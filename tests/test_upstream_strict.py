@@ -273,3 +273,16 @@ async def test_connection_closed_for_bytes_while_idle_is_freed_without_a_collect
                 await eventually(lambda: upstream.hung_up == 1, what="the connection that spoke unasked to be closed")
             # The client's idle list held it, closed, until its next request or its close.
             await eventually(lambda: connection() is None, what="the connection that spoke unasked to be freed")
+
+
+async def test_connection_closed_after_serving_is_freed_without_a_collection() -> None:
+    with gateway_gc():
+        async with RawUpstream(OK) as upstream:
+            with client_of(upstream) as client:
+                response = await send(client)
+                connection = weakref.ref(response._connection)
+                assert await read_all(response) == b"ok"
+                client.release(response)
+                del response
+            await eventually(lambda: upstream.hung_up == 1, what="the idle connection to be closed")
+            await eventually(lambda: connection() is None, what="the closed connection to be freed")
