@@ -36,7 +36,7 @@ HIGH_WATER = 64 * 1024
 # RFC 9110 §7.6.1: fields of one connection, never relayed (gateway.config.http_names.HOP_BY_HOP as bytes).
 _HOP_BY_HOP = frozenset(name.encode() for name in HOP_BY_HOP)
 _LAST_CHUNK = b"0\r\n\r\n"
-_VERSIONS = {"1.0": (1, 0), "1.1": (1, 1)}
+_CLOSE, _NO_BODY = Framing.CLOSE, Framing.NONE
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,23 +86,8 @@ class Exchange:
     """One request and its response: everything that is reset between two of them."""
 
     __slots__ = (
-        "answering",
-        "buffered",
-        "chunks",
-        "complete",
-        "framing",
-        "head",
-        "head_lines",
-        "head_only",
-        "head_received",
-        "head_size",
-        "interim",
-        "keep_alive",
-        "names_values",
-        "read_timeout",
-        "reason",
-        "sender",
-        "waiter",
+        "answering", "buffered", "chunks", "complete", "framing", "head", "head_only", "head_received",
+        "interim", "interim_size", "keep_alive", "names_values", "read_timeout", "reason", "sender", "waiter",
     )
 
     def __init__(self, head_only: bool, read_timeout: float) -> None:
@@ -113,14 +98,13 @@ class Exchange:
         # The final head once parsed: status, reason, end-to-end headers. Not the response,
         # which holds the connection: the connection holds this, and a cycle would outlive it.
         self.head: tuple[int, str, CIMultiDict[str]] | None = None
-        self.framing = Framing.CLOSE
+        self.framing = _CLOSE
         self.keep_alive = False
         self.interim = False  # the head being parsed is a 1xx to skip
         self.reason = b""
         self.names_values: list[tuple[bytes, bytes]] = []
-        self.head_size = 0  # bytes of head the parser handed over, interim heads included
-        self.head_lines = 0
-        self.head_received = 0  # bytes read while the final head was still unfinished
+        self.head_received = 0  # bytes of the reads that ended inside a head, interim heads included
+        self.interim_size = 0  # bytes of the interim heads parsed, and of the final one once summed
         self.chunks: list[bytes] = []
         self.buffered = 0
         self.waiter: asyncio.Future[None] | None = None
@@ -147,6 +131,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._failure: tuple[type[UpstreamError], str] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._last_progress = 0.0
+        self._read_size = 0  # bytes of the read being parsed
 
     @property
     def answering(self) -> bool:
@@ -169,6 +154,7 @@ class UpstreamConnection(asyncio.Protocol):
             self._fail(UpstreamFailed, "the upstream sent bytes outside a response")
             return
         exchange.answering = True
+        self._read_size = len(data)
         try:
             self._parser.feed_data(data)  # type: ignore[union-attr]  # None only once the connection is lost
         except httptools.HttpParserError as exc:
@@ -179,11 +165,15 @@ class UpstreamConnection(asyncio.Protocol):
             self._fail(UpstreamFailed, "the upstream switched protocols")
             return
         if exchange.head is None:
-            # Every byte of this read was head: llhttp holds a line's unfinished part, so the
-            # bound is checked here too, at most one read past it.
+            # Every byte of this read was head: llhttp holds a line's unfinished part, and the
+            # lines parsed so far are held too, so the bounds are checked here as well, at
+            # most one read past them.
             exchange.head_received += len(data)
-            if exchange.head_received > self._bounds.max_size:
-                self._fail(UpstreamFailed, f"the response head is past upstream_max_header_size ({self._bounds.max_size} bytes)")
+            bounds = self._bounds
+            if exchange.head_received > bounds.max_size:
+                self._fail(UpstreamFailed, f"the response head is past upstream_max_header_size ({bounds.max_size} bytes)")
+            elif len(exchange.names_values) > bounds.max_lines:
+                self._fail(UpstreamFailed, f"the response head is past upstream_max_header_lines ({bounds.max_lines} lines)")
 
     def eof_received(self) -> bool:
         return False  # a half-closed connection is closed: HTTP/1.1 has no use for it
@@ -192,7 +182,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.open = False
         self._parser = None
         exchange = self._exchange
-        if exchange is not None and exchange.head is not None and exchange.framing is Framing.CLOSE and not exchange.complete:
+        if exchange is not None and exchange.head is not None and exchange.framing is _CLOSE and not exchange.complete:
             exchange.complete = True  # a body delimited by the close of the connection (RFC 9112 §6.3)
             self._wake(exchange)
         elif exchange is None or not exchange.complete or exchange.head is None:
@@ -222,19 +212,11 @@ class UpstreamConnection(asyncio.Protocol):
         exchange = self._exchange
         assert exchange is not None
         exchange.reason += reason
-        exchange.head_size += len(reason)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         exchange = self._exchange
         assert exchange is not None
-        exchange.names_values.append((name, value))
-        exchange.head_lines += 1
-        exchange.head_size += len(name) + len(value) + 4  # ": " and CRLF
-        bounds = self._bounds
-        if exchange.head_lines > bounds.max_lines:
-            raise UpstreamFailed(f"the response head is past upstream_max_header_lines ({bounds.max_lines} lines)")
-        if exchange.head_size > bounds.max_size:
-            raise UpstreamFailed(f"the response head is past upstream_max_header_size ({bounds.max_size} bytes)")
+        exchange.names_values.append((name, value))  # counted once a read or the head ends (_check_head)
 
     def on_headers_complete(self) -> None:
         exchange = self._exchange
@@ -242,14 +224,16 @@ class UpstreamConnection(asyncio.Protocol):
         parser = self._parser
         assert parser is not None
         status = parser.get_status_code()
-        version = _VERSIONS.get(parser.get_http_version(), (0, 0))
+        version = parser.get_http_version()
         check_status_line(version, status)
         if status < 200:
+            self._check_head(exchange, interim=True)
             # Interim answers (100 Continue, 103 Early Hints) are dropped, as nginx and Envoy drop them.
             exchange.interim = True
             exchange.names_values.clear()
             exchange.reason = b""
             return
+        self._check_head(exchange, interim=False)
         pairs = []
         codings: list[bytes] | None = None
         content_length = False
@@ -267,20 +251,33 @@ class UpstreamConnection(asyncio.Protocol):
             # As aiohttp decodes them: the bytes go back out unchanged.
             pairs.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
         exchange.names_values.clear()
-        framing = exchange.framing = body_framing(
-            head_only=exchange.head_only, status=status, version=version, codings=codings, content_length=content_length
-        )
-        exchange.keep_alive = keep_alive(version=version, connection=tokens, framing=framing)
+        framing = exchange.framing = body_framing(exchange.head_only, status, version, codings, content_length)
+        exchange.keep_alive = keep_alive(version, tokens, framing)
         headers: CIMultiDict[str] = CIMultiDict(pairs)
         for token in tokens:
             if token:
                 headers.popall(token.decode("latin-1"), None)
         exchange.head = (status, exchange.reason.decode("latin-1"), headers)
-        if framing is Framing.NONE:
+        if framing is _NO_BODY:
             exchange.complete = True
             # llhttp would wait for the body a HEAD response's Content-Length announces.
             self._parser = httptools.HttpResponseParser(self)
         self._wake(exchange)
+
+    def _check_head(self, exchange: Exchange, *, interim: bool) -> None:
+        """Refuse a parsed head past its bounds, interim heads before it counted. Its size is
+        summed only when it might be past them: the reads that ended inside the heads, and
+        the one this head ended in, hold at least as many bytes."""
+        bounds = self._bounds
+        names_values = exchange.names_values
+        if len(names_values) > bounds.max_lines:
+            raise UpstreamFailed(f"the response head is past upstream_max_header_lines ({bounds.max_lines} lines)")
+        if interim or exchange.head_received + self._read_size > bounds.max_size:
+            # ": " and CRLF after each line; the status line's "HTTP/1.1 200 " and CRLF.
+            size = len(exchange.reason) + 15 + sum(len(name) + len(value) + 4 for name, value in names_values)
+            exchange.interim_size += size
+            if exchange.interim_size > bounds.max_size:
+                raise UpstreamFailed(f"the response head is past upstream_max_header_size ({bounds.max_size} bytes)")
 
     def on_body(self, body: bytes) -> None:
         exchange = self._exchange
@@ -377,8 +374,9 @@ class UpstreamConnection(asyncio.Protocol):
             if timer is not None:
                 timer.cancel()
             self._timer = self._loop.call_at(deadline, self._check_timeout)
-        if self._flow is not None:
-            self._flow.resume_reading()
+        flow = self._flow
+        if flow is not None and flow.read_paused:
+            flow.resume_reading()
         return waiter
 
     def take(self, exchange: Exchange) -> bytes:
@@ -388,8 +386,9 @@ class UpstreamConnection(asyncio.Protocol):
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
         exchange.buffered = 0
-        if self._flow is not None and exchange is self._exchange:
-            self._flow.resume_reading()
+        flow = self._flow
+        if flow is not None and flow.read_paused and exchange is self._exchange:
+            flow.resume_reading()
         return data
 
     def reusable(self) -> bool:

@@ -26,16 +26,17 @@ class Framing(enum.Enum):
     CLOSE = "close"  # at the close of the connection
 
 
-# RFC 9112 §2.3: the versions of HTTP/1.x; llhttp parses any digit pair ("HTTP/2.0 200").
-_VERSIONS = frozenset({(1, 0), (1, 1)})
+# RFC 9112 §2.3: the versions of HTTP/1.x, as llhttp gives them; it parses any digit pair ("HTTP/2.0 200").
+_VERSIONS = frozenset({"1.0", "1.1"})
+_NONE, _LENGTH, _CHUNKED, _CLOSE = Framing.NONE, Framing.LENGTH, Framing.CHUNKED, Framing.CLOSE
 
 
-def check_status_line(version: tuple[int, int], status: int) -> None:
+def check_status_line(version: str, status: int) -> None:
     """Refuse a status line that is not HTTP/1.0 or HTTP/1.1, or whose code is outside
     100–599 (RFC 9110 §15: three digits, the first 1 to 5; a client that receives `000`
     cannot tell what happened, and relaying it would make a status of its own)."""
     if version not in _VERSIONS:
-        raise UpstreamFailed(f"the status line is HTTP/{version[0]}.{version[1]}, not HTTP/1.0 or HTTP/1.1")
+        raise UpstreamFailed(f"the status line is HTTP/{version}, not HTTP/1.0 or HTTP/1.1")
     if not 100 <= status <= 599:
         raise UpstreamFailed(f"the status code {status:03d} is outside 100-599")
 
@@ -52,19 +53,17 @@ def transfer_codings(values: Iterable[bytes]) -> list[bytes]:
     return codings
 
 
-def body_framing(
-    *, head_only: bool, status: int, version: tuple[int, int], codings: list[bytes] | None, content_length: bool
-) -> Framing:
+def body_framing(head_only: bool, status: int, version: str, codings: list[bytes] | None, content_length: bool) -> Framing:
     """RFC 9112 §6.3, for a response to a request the gateway sent (never CONNECT).
     `codings`: the Transfer-Encoding list (None when the field is absent);
     `content_length`: whether Content-Length is present (llhttp checks its value and
     refuses it twice)."""
     # §6.3 rule 1: a response to HEAD, and every 1xx, 204 and 304, ends at its head.
     if head_only or status < 200 or status in (204, 304):
-        return Framing.NONE
+        return _NONE
     if codings is not None:
         # §6.1: Transfer-Encoding in HTTP/1.0 "MUST be treated as faulty framing".
-        if version == (1, 0):
+        if version == "1.0":
             raise UpstreamFailed("Transfer-Encoding in an HTTP/1.0 response")
         # §6.3 rule 3: with Content-Length too, the message may be a smuggling attempt; a
         # recipient may refuse it, and one that relays it must drop Content-Length.
@@ -75,16 +74,16 @@ def body_framing(
         # any other coding relayed undecoded and unlabelled would look like a plain body.
         if codings != [b"chunked"]:
             raise UpstreamFailed(f"a transfer coding list other than chunked: {b', '.join(codings).decode('latin-1')}")
-        return Framing.CHUNKED
+        return _CHUNKED
     # §6.3 rule 6, then rule 8: without either field, the body ends with the connection.
-    return Framing.LENGTH if content_length else Framing.CLOSE
+    return _LENGTH if content_length else _CLOSE
 
 
-def keep_alive(*, version: tuple[int, int], connection: list[bytes], framing: Framing) -> bool:
+def keep_alive(version: str, connection: list[bytes], framing: Framing) -> bool:
     """Whether the connection may carry another exchange after this response (RFC 9112
     §9.3). `connection`: the Connection field's tokens, lower-cased. The gateway's own
     requests are HTTP/1.1 without `close`, so only the response decides."""
-    if framing is Framing.CLOSE or b"close" in connection:
+    if framing is _CLOSE or b"close" in connection:
         return False
     # §9.3: HTTP/1.1 persists by default; HTTP/1.0 only with the keep-alive option (§C.2.2).
-    return version == (1, 1) or b"keep-alive" in connection
+    return version == "1.1" or b"keep-alive" in connection
