@@ -200,40 +200,35 @@ class UpstreamConnection(asyncio.Protocol):
         if self._flow is not None:
             self._flow.resume_writing()
 
-    # llhttp's side
+    # llhttp's side: data_received feeds it only while an exchange is current (hence the ignores).
 
     def on_message_begin(self) -> None:
-        exchange = self._exchange
-        if exchange is None or exchange.complete:
+        if self._exchange.complete:  # type: ignore[union-attr]
             # A second response to one request (llhttp would parse it as the next) desyncs the connection.
             raise UpstreamFailed("bytes past the end of a response")
 
     def on_status(self, reason: bytes) -> None:
-        exchange = self._exchange
-        assert exchange is not None
-        exchange.reason += reason
+        self._exchange.reason += reason  # type: ignore[union-attr]
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        exchange = self._exchange
-        assert exchange is not None
-        exchange.names_values.append((name, value))  # counted once a read or the head ends (_check_head)
+        self._exchange.names_values.append((name, value))  # type: ignore[union-attr]  # counted in _check_head
 
     def on_headers_complete(self) -> None:
-        exchange = self._exchange
-        assert exchange is not None
-        parser = self._parser
-        assert parser is not None
+        exchange: Exchange = self._exchange  # type: ignore[assignment]
+        parser: httptools.HttpResponseParser = self._parser  # type: ignore[assignment]
         status = parser.get_status_code()
         version = parser.get_http_version()
-        check_status_line(version, status)
         if status < 200:
+            check_status_line(version, status)
             self._check_head(exchange, interim=True)
             # Interim answers (100 Continue, 103 Early Hints) are dropped, as nginx and Envoy drop them.
             exchange.interim = True
             exchange.names_values.clear()
             exchange.reason = b""
             return
-        self._check_head(exchange, interim=False)
+        bounds = self._bounds
+        if len(exchange.names_values) > bounds.max_lines or exchange.head_received + self._read_size > bounds.max_size:
+            self._check_head(exchange, interim=False)
         pairs = []
         codings: list[bytes] | None = None
         content_length = False
@@ -280,8 +275,7 @@ class UpstreamConnection(asyncio.Protocol):
                 raise UpstreamFailed(f"the response head is past upstream_max_header_size ({bounds.max_size} bytes)")
 
     def on_body(self, body: bytes) -> None:
-        exchange = self._exchange
-        assert exchange is not None
+        exchange: Exchange = self._exchange  # type: ignore[assignment]
         if exchange.complete:
             raise UpstreamFailed("bytes past the end of a response")
         exchange.chunks.append(body)
@@ -292,8 +286,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._wake(exchange)
 
     def on_message_complete(self) -> None:
-        exchange = self._exchange
-        assert exchange is not None
+        exchange: Exchange = self._exchange  # type: ignore[assignment]
         if exchange.interim:
             exchange.interim = False
             return

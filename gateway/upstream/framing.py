@@ -54,10 +54,14 @@ def transfer_codings(values: Iterable[bytes]) -> list[bytes]:
 
 
 def body_framing(head_only: bool, status: int, version: str, codings: list[bytes] | None, content_length: bool) -> Framing:
-    """RFC 9112 §6.3, for a response to a request the gateway sent (never CONNECT).
+    """RFC 9112 §6.3, for a final response (status 200 and up) to a request the gateway
+    sent (never CONNECT), once `check_status_line` holds: called here, so that a final
+    head costs one call.
     `codings`: the Transfer-Encoding list (None when the field is absent);
     `content_length`: whether Content-Length is present (llhttp checks its value and
     refuses it twice)."""
+    if version not in _VERSIONS or status > 599:
+        check_status_line(version, status)
     # §6.3 rule 1: a response to HEAD, and every 1xx, 204 and 304, ends at its head.
     if head_only or status < 200 or status in (204, 304):
         return _NONE
