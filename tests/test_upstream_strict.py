@@ -46,6 +46,7 @@ REFUSED = {
     "status 099": b"HTTP/1.1 099 Low\r\nContent-Length: 2\r\n\r\nok",
     "status 600": b"HTTP/1.1 600 High\r\nContent-Length: 2\r\n\r\nok",
     "HTTP/2.0": b"HTTP/2.0 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    "HTTP/2.0 after an interim HTTP/1.1 head": b"HTTP/1.1 100 Continue\r\n\r\nHTTP/2.0 200 OK\r\nContent-Length: 2\r\n\r\nok",
     "HTTP/1.2": b"HTTP/1.2 200 OK\r\nContent-Length: 2\r\n\r\nok",
     "HTTP/0.9 status line": b"HTTP/0.9 200 OK\r\nContent-Length: 2\r\n\r\nok",
 }

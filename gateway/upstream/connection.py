@@ -87,7 +87,7 @@ class Exchange:
 
     __slots__ = (
         "answering", "buffered", "chunks", "complete", "framing", "head", "head_only", "head_received",
-        "interim", "interim_size", "keep_alive", "names_values", "read_timeout", "reason", "sender", "waiter",
+        "interim", "interim_size", "keep_alive", "names_values", "read_timeout", "reason", "sender", "version", "waiter",
     )
 
     def __init__(self, head_only: bool, read_timeout: float) -> None:
@@ -101,6 +101,9 @@ class Exchange:
         self.framing = _CLOSE
         self.keep_alive = False
         self.interim = False  # the head being parsed is a 1xx to skip
+        # "1.1" when the answer's first read begins "HTTP/1.1 ", until an interim head ends:
+        # llhttp's get_http_version formats a string, the dearest call of a response.
+        self.version: str | None = None
         self.reason = b""
         self.names_values: list[tuple[bytes, bytes]] = []
         self.head_received = 0  # bytes of the reads that ended inside a head, interim heads included
@@ -153,7 +156,10 @@ class UpstreamConnection(asyncio.Protocol):
             # Bytes nobody asked for (an idle connection, or past a response): never reuse it.
             self._fail(UpstreamFailed, "the upstream sent bytes outside a response")
             return
-        exchange.answering = True
+        if not exchange.answering:
+            exchange.answering = True
+            if data.startswith(b"HTTP/1.1 "):
+                exchange.version = "1.1"
         self._read_size = len(data)
         try:
             self._parser.feed_data(data)  # type: ignore[union-attr]  # None only once the connection is lost
@@ -217,7 +223,7 @@ class UpstreamConnection(asyncio.Protocol):
         exchange: Exchange = self._exchange  # type: ignore[assignment]
         parser: httptools.HttpResponseParser = self._parser  # type: ignore[assignment]
         status = parser.get_status_code()
-        version = parser.get_http_version()
+        version = exchange.version or parser.get_http_version()
         if status < 200:
             check_status_line(version, status)
             self._check_head(exchange, interim=True)
@@ -225,6 +231,7 @@ class UpstreamConnection(asyncio.Protocol):
             exchange.interim = True
             exchange.names_values.clear()
             exchange.reason = b""
+            exchange.version = None  # the next head's is read from llhttp
             return
         bounds = self._bounds
         if len(exchange.names_values) > bounds.max_lines or exchange.head_received + self._read_size > bounds.max_size:
