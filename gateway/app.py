@@ -51,6 +51,8 @@ RESTART_SETTINGS: tuple[tuple[str, Callable[[GatewayConfig], object]], ...] = (
     ("keepalive_requests", attrgetter("clients.keepalive_requests")),
     ("max_header_size", attrgetter("clients.max_header_size")),
     ("upstream_connections", attrgetter("upstream_connections")),
+    ("upstream_max_header_size", attrgetter("upstream_max_header_size")),
+    ("upstream_max_header_lines", attrgetter("upstream_max_header_lines")),
     ("access_log", attrgetter("access_log")),
     ("local_store_memory", attrgetter("local_store_memory")),
     ("rls_listen", lambda config: config.rls.listen if config.rls else None),

@@ -21,6 +21,7 @@ def test_defaults_are_nginx_s_and_a_32_kib_head():
         header_timeout=60.0, body_timeout=60.0, keepalive_timeout=75.0, keepalive_requests=1000, max_header_size=32768
     )
     assert config.upstream_connections == 1000
+    assert (config.upstream_max_header_size, config.upstream_max_header_lines) == (65536, 100)
     (route,) = config.routes
     assert route.max_body_size is None
     assert route.timeout.queue == 1.0
@@ -30,12 +31,14 @@ def test_every_key_is_read():
     config = parse(
         "client_header_timeout: 10s\nclient_body_timeout: 500ms\nkeepalive_timeout: 2m\nkeepalive_requests: 50\n"
         "max_header_size: 64KiB\nupstream_connections: 200\n"
+        "upstream_max_header_size: 128KiB\nupstream_max_header_lines: 200\n"
         "routes:\n  - match: {path: /}\n    upstream: http://h:1\n    max_body_size: 10MB\n    timeout: {queue: 250ms}\n"
     )
     assert config.clients == ClientLimits(
         header_timeout=10.0, body_timeout=0.5, keepalive_timeout=120.0, keepalive_requests=50, max_header_size=65536
     )
     assert config.upstream_connections == 200
+    assert (config.upstream_max_header_size, config.upstream_max_header_lines) == (131072, 200)
     assert config.routes[0].max_body_size == 10_000_000
     assert config.routes[0].timeout.queue == 0.25
 
@@ -56,6 +59,10 @@ ERRORS = {
     "max_header_size negative": ("max_header_size: -1\n", "max_header_size: expected a size"),
     "max_header_size a fraction": ("max_header_size: 1.5KiB\n", "max_header_size: expected a size"),
     "upstream_connections zero": ("upstream_connections: 0\n", "upstream_connections: expected an integer >= 1"),
+    "upstream_max_header_size a word": ("upstream_max_header_size: big\n", "upstream_max_header_size: expected a size such as 32KiB"),
+    "upstream_max_header_size zero": ("upstream_max_header_size: 0\n", "upstream_max_header_size: expected a size greater than zero"),
+    "upstream_max_header_lines zero": ("upstream_max_header_lines: 0\n", "upstream_max_header_lines: expected an integer >= 1, got 0"),
+    "upstream_max_header_lines a size": ("upstream_max_header_lines: 1KiB\n", "upstream_max_header_lines: expected an integer, got a string"),
 }
 
 

@@ -21,6 +21,8 @@ from gateway.config import safe_yaml
 from gateway.config.limits import _concurrency_limit, _limit, _network, _response
 from gateway.config.model import (
     DEFAULT_IDENTITY_MAX_LENGTH,
+    DEFAULT_UPSTREAM_MAX_HEADER_LINES,
+    DEFAULT_UPSTREAM_MAX_HEADER_SIZE,
     ClientIpStrategy,
     ClientLimits,
     ConcurrencyLimit,
@@ -124,7 +126,8 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
             "shutdown_grace", "forwarded_headers", "jwt", "path_normalization", "admin_token_env",
             "admin_raw_identities", "admin_hosts", "identity_max_length",
             "client_header_timeout", "client_body_timeout", "keepalive_timeout", "keepalive_requests",
-            "max_header_size", "upstream_connections", "access_log", "response", "max_delayed", "client_ip",
+            "max_header_size", "upstream_connections", "upstream_max_header_size", "upstream_max_header_lines",
+            "access_log", "response", "max_delayed", "client_ip",
             "local_store_memory", "rls_listen", "rls_config", "rls_merge_domains", "decision_listen",
         ),
     )
@@ -247,6 +250,12 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         ),
         upstream_connections=r.integer(
             top.get("upstream_connections", DEFAULT_UPSTREAM_CONNECTIONS), "upstream_connections", minimum=1
+        ),
+        upstream_max_header_size=r.parsed(
+            parse_size, top.get("upstream_max_header_size", DEFAULT_UPSTREAM_MAX_HEADER_SIZE), "upstream_max_header_size"
+        ),
+        upstream_max_header_lines=r.integer(
+            top.get("upstream_max_header_lines", DEFAULT_UPSTREAM_MAX_HEADER_LINES), "upstream_max_header_lines", minimum=1
         ),
         concurrency_limits=tuple(limit for limit in limits.values() if isinstance(limit, ConcurrencyLimit)),
         max_delayed=r.integer(top.get("max_delayed", DEFAULT_MAX_DELAYED), "max_delayed", minimum=1),

@@ -428,6 +428,12 @@ DEFAULT_LISTEN_BACKLOG = 1024
 # bounded by its digest (gateway.limiter.keys.memory_key), not by this.
 DEFAULT_IDENTITY_MAX_LENGTH = 8 * 1024
 
+# A response head the upstream client reads: its status line and header lines together,
+# and its header lines. Envoy refuses past 60 KiB or 100 headers, nginx past its
+# proxy_buffer_size (4 or 8 KiB); 64 KiB holds large Set-Cookie and CSP headers.
+DEFAULT_UPSTREAM_MAX_HEADER_SIZE = 64 * 1024
+DEFAULT_UPSTREAM_MAX_HEADER_LINES = 100
+
 
 @dataclass(frozen=True, kw_only=True)
 class GatewayConfig:
@@ -459,6 +465,9 @@ class GatewayConfig:
     clients: ClientLimits = ClientLimits()
     access_log: str | None = None  # "text" or "json": one line per request on stdout; None: off
     upstream_connections: int = 1000  # per upstream and worker process; more requests wait up to timeout.queue
+    # An upstream's response head past either is a 502, and its connection is closed.
+    upstream_max_header_size: int = DEFAULT_UPSTREAM_MAX_HEADER_SIZE
+    upstream_max_header_lines: int = DEFAULT_UPSTREAM_MAX_HEADER_LINES
     concurrency_limits: tuple[ConcurrencyLimit, ...] = ()
     max_delayed: int = 256  # requests one worker process holds waiting out a `mode: delay` wait; more are rejected
     client_ip: ClientIpStrategy = ClientIpStrategy()  # how a trusted proxy's header names the client

@@ -41,6 +41,7 @@ from gateway.proxy.websocket import WebSocketConnectFailed, proxy_websocket
 from gateway.upstream.balancing import Outcome, retry_allowed
 from gateway.upstream.body import RequestBody
 from gateway.upstream.client import UpstreamClient
+from gateway.upstream.connection import DEFAULT_BOUNDS, HeadBounds
 from gateway.upstream.errors import ConnectFailed, UpstreamError, UpstreamTimeout
 from gateway.upstream.slots import UpstreamSlots
 
@@ -55,11 +56,11 @@ class Upstream:
     """What one upstream base URL has in this process: its slots, its keep-alive HTTP/1.1
     connections, and the aiohttp sessions its WebSocket handshakes go out on."""
 
-    def __init__(self, url: str, connections: int, tls: ssl.SSLContext | None) -> None:
-        """`tls`: the context of an https `url` (None for http)."""
+    def __init__(self, url: str, connections: int, tls: ssl.SSLContext | None, bounds: HeadBounds = DEFAULT_BOUNDS) -> None:
+        """`tls`: the context of an https `url` (None for http); `bounds`: its response heads'."""
         self.url = url
         self.slots = UpstreamSlots(connections)
-        self.client = UpstreamClient(url, tls)
+        self.client = UpstreamClient(url, tls, bounds)
         # aiohttp's ws_connect refuses an Authorization header beside credentials in its URL
         # (a ValueError, so a 500): handshakes go to the URL without them, and the URL's
         # credentials as the header, replacing the client's as they do for HTTP requests.

@@ -55,6 +55,7 @@ from gateway.proxy.routing import ConditionRejected
 from gateway.proxy.websocket import ClientLeft, is_websocket_upgrade
 from gateway.upstream.balancing import TargetStates
 from gateway.upstream.body import RequestBody
+from gateway.upstream.connection import HeadBounds
 from gateway.upstream.health_checks import HealthChecks
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class ProxyHandler:
         self._limiter = limiter
         self._metrics = metrics
         self._connections = config.upstream_connections
+        self._head_bounds = HeadBounds(max_size=config.upstream_max_header_size, max_lines=config.upstream_max_header_lines)
         # One TLS context for every https upstream, made with the first: loading the system's
         # trust store costs tens of milliseconds, which a gateway without one never pays.
         self._tls: ssl.SSLContext | None = None
@@ -95,7 +97,7 @@ class ProxyHandler:
         self._delayed = 0
 
     def _upstream(self, url: str) -> Upstream:
-        return Upstream(url, self._connections, self._tls_of(url))
+        return Upstream(url, self._connections, self._tls_of(url), self._head_bounds)
 
     def _tls_of(self, url: str) -> ssl.SSLContext | None:
         """The TLS context of an https `url`, the proxy's and its health checks' (None for http)."""

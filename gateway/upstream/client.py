@@ -31,7 +31,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from gateway.upstream.body import RequestBody
-from gateway.upstream.connection import UpstreamConnection, UpstreamResponse
+from gateway.upstream.connection import DEFAULT_BOUNDS, HeadBounds, UpstreamConnection, UpstreamResponse
 from gateway.upstream.errors import ConnectFailed, UpstreamFailed
 
 # An idle connection older than this is closed rather than reused: upstreams close idle
@@ -121,8 +121,9 @@ class IdleConnections:
 class UpstreamClient:
     """Requests to one upstream, sent over its idle connections or new ones."""
 
-    def __init__(self, url: str, tls: ssl.SSLContext | None) -> None:
+    def __init__(self, url: str, tls: ssl.SSLContext | None, bounds: HeadBounds = DEFAULT_BOUNDS) -> None:
         self.endpoint = Endpoint.of(url, tls)
+        self._bounds = bounds
         self._idle = IdleConnections()
         self._closed = False
 
@@ -178,7 +179,7 @@ class UpstreamClient:
     async def _connect(self, timeout: float) -> UpstreamConnection:
         endpoint = self.endpoint
         loop = asyncio.get_running_loop()
-        connection = UpstreamConnection(loop)
+        connection = UpstreamConnection(loop, self._bounds)
         try:
             async with asyncio.timeout(timeout):
                 await loop.create_connection(
