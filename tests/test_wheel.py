@@ -72,6 +72,10 @@ def test_an_installed_wheel_ships_the_lua_script_and_the_admin_page_and_loads_th
         for name in PAGE_FILES:
             assert archive.read(f"gateway/admin/page/{name}") == (PAGE / name).read_bytes()
     assert not any(name.startswith(("lua/", "tests/")) for name in names), "stray top-level packages in the wheel"
+    # Every module of the source tree ships: a package left out of pyproject's list would
+    # install a gateway that cannot start.
+    modules = {str(path.relative_to(ROOT)) for path in (ROOT / "gateway").rglob("*.py")}
+    assert modules - names == set(), "modules missing from the wheel"
 
     target = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False).create(target)
