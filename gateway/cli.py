@@ -24,7 +24,7 @@ from gateway.log_lines import stderr_handler, stderr_line
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
-    from gateway.config.rls_model import RlsConfig, RlsDescriptor, RlsRateLimit
+    from gateway.config.model import RlsConfig, RlsDescriptor, RlsRateLimit
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 128 + 2  # what a shell reports for a command SIGINT ended

@@ -12,8 +12,8 @@ import pytest
 
 from gateway.admin.config_view import redacted_config
 from gateway.config import parse_config
+from gateway.config.model import RlsRateLimit
 from gateway.config.rls import override_limit
-from gateway.config.rls_model import RlsRateLimit
 from gateway.envoy.descriptors import identity_of, rate_limit_of, request_over_limit, wildcard_matches, without_replaced
 
 FILE = """

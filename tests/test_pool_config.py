@@ -4,7 +4,7 @@ the YAML path."""
 import pytest
 
 from gateway.config import GatewayConfig, parse_config
-from gateway.config.model import Balance, HealthCheck, PassiveEjection, Target, UpstreamPool
+from gateway.config.pool_model import Balance, HealthCheck, PassiveEjection, Target, UpstreamPool
 from tests.helpers import SOURCE, error_of
 from tests.processes import run_cli
 

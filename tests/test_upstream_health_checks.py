@@ -38,7 +38,7 @@ import trustme
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge
 
-from gateway.config.model import HealthCheck
+from gateway.config.pool_model import HealthCheck
 from gateway.upstream.balancing import TargetState
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.health_checks import DRAIN_BYTES, HealthChecks, probe

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from gateway.config.model import Balance, HealthCheck, PassiveEjection
+from gateway.config.pool_model import Balance, HealthCheck, PassiveEjection
 from gateway.testing import config_from_yaml
 from gateway.upstream.balancing import Balancer, Outcome, TargetState, TargetStates, retry_allowed
 

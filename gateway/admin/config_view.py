@@ -19,14 +19,15 @@ from gateway.config.model import (
     HeaderRules,
     IdentitySource,
     JwtKey,
+    RlsConfig,
+    RlsDescriptor,
     Route,
     StoreConfig,
-    Target,
     Tiers,
 )
+from gateway.config.pool_model import Target
 from gateway.config.redaction import redacted_url
 from gateway.config.regex import Regex
-from gateway.config.rls_model import RlsConfig, RlsDescriptor
 from gateway.config.units import Address, Rate
 
 REDACTED = "***"

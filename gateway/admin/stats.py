@@ -20,7 +20,8 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 
 from gateway import __version__
-from gateway.config.model import GatewayConfig, Route, UpstreamPool
+from gateway.config.model import GatewayConfig, Route
+from gateway.config.pool_model import UpstreamPool
 from gateway.config.redaction import redacted_url
 from gateway.metrics import CounterValue, GaugeValue, Metrics, PlainMetric
 

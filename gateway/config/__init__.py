@@ -1,4 +1,4 @@
-"""The YAML config: parsed once into immutable typed objects (`model`). `loader` is the
+"""The YAML config: parsed once into immutable typed objects (`model`, with an upstream pool's in `pool_model`). `loader` is the
 entry point over the path-aware `reader`, and `settings`, `limits`, `routes`,
 `upstreams` and `store_url` each read one part of the file; `units`, `http_names`,
 `redaction`, `regex` and `tls` are the small value languages and names they share.

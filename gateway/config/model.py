@@ -10,16 +10,13 @@ import enum
 import ipaddress
 from collections.abc import Mapping
 from dataclasses import InitVar, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gateway.config.body_template import BodyTemplate
-from gateway.config.redaction import redacted_url
+from gateway.config.pool_model import UpstreamPool
 from gateway.config.regex import Regex
 from gateway.config.store_url import StoreTarget, parse_store_url
 from gateway.config.units import Address, Rate
-
-if TYPE_CHECKING:
-    from gateway.config.rls_model import RlsConfig
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 # Identity sources every request has: entries after one of them in a `key` list are never read.
@@ -298,57 +295,6 @@ class UpstreamTimeout:
     total: float | None = None  # the whole upstream exchange, retries and response body included
 
 
-class Balance(enum.Enum):
-    """How a pool picks the target of a request (see gateway.upstream.balancing)."""
-
-    ROUND_ROBIN = "round_robin"  # nginx's smooth weighted round robin
-    LEAST_REQUESTS = "least_requests"  # fewest requests in flight for its weight
-    RANDOM_TWO_CHOICES = "random_two_choices"  # the less busy of two drawn by weight
-
-
-@dataclass(frozen=True, kw_only=True)
-class Target:
-    url: str  # base URL, without a trailing slash
-    name: str  # its label in metrics and logs: as configured, else its host:port
-    weight: int = 1
-
-
-@dataclass(frozen=True, kw_only=True)
-class HealthCheck:
-    """Active checks: a GET of `path` on each target every `interval`."""
-
-    path: str
-    interval: float
-    timeout: float
-    unhealthy_after: int  # consecutive failed checks that take a target out of rotation
-    healthy_after: int  # consecutive passed checks that bring it back
-
-
-@dataclass(frozen=True, kw_only=True)
-class PassiveEjection:
-    eject_after: int  # consecutive connection errors or 5xx answers
-    eject_for: float  # seconds out of rotation
-
-
-@dataclass(frozen=True, kw_only=True)
-class UpstreamPool:
-    targets: tuple[Target, ...]
-    balance: Balance
-    health: HealthCheck | None
-    passive: PassiveEjection | None
-    retries: int  # further targets tried after a connect failure
-
-    def __str__(self) -> str:
-        """As `gateway check` shows it."""
-        targets = ", ".join(redacted_url(t.url) + (f" (weight {t.weight})" if t.weight != 1 else "") for t in self.targets)
-        parts = [f"{self.balance.value} over {targets}", f"retries {self.retries}"]
-        if self.health is not None:
-            parts.append(f"health {self.health.path} every {self.health.interval:g}s")
-        if self.passive is not None:
-            parts.append(f"eject after {self.passive.eject_after} failures for {self.passive.eject_for:g}s")
-        return "; ".join(parts)
-
-
 @dataclass(frozen=True, kw_only=True)
 class Route:
     match: Match
@@ -484,3 +430,44 @@ class GatewayConfig:
         down (`on_store_error: local`): `store.local_divisor` counts gateway instances, and
         each of an instance's `workers` keeps a stand-in bucket of its own."""
         return (self.store.local_divisor if self.store else 1) * self.workers
+
+
+@dataclass(frozen=True, kw_only=True)
+class RlsRateLimit:
+    """One `rate_limit` of an envoyproxy/ratelimit config file, as the gateway counts it."""
+
+    limit: Limit | None  # None: `unlimited: true`, never counted
+    unit: str  # as Envoy's RateLimit.Unit names it, lower case: "second" ... "year"
+    requests_per_unit: int  # 0: every request that costs anything is over the limit
+    name: str = ""  # `rate_limit.name`, what another rate_limit's `replaces` refers to
+    replaces: tuple[str, ...] = ()
+    # The descriptor's `quota_mode` (without shadow_mode): `limit` is checked as a shadow one, and
+    # its refusal refuses the request only when every quota-mode limit of it refuses.
+    quota_mode: bool = False
+    metadata: Mapping[str, Any] = field(default_factory=dict, compare=False)  # the descriptor's `metadata`
+    charge_always: bool = False  # `charge: always`: every hit is charged, refused or not, into debt
+
+
+@dataclass(frozen=True, kw_only=True)
+class RlsDescriptor:
+    """A node of a domain's descriptor tree: its rate limit, if it has one, and the nodes
+    below it, by `key_value` for those with a value and by `key` for those without (any
+    value matches, each value its own bucket). `wildcards`: the nodes whose value holds a
+    `*`, in the order of the files, as (key, the value split on `*`, selector in children).
+    `shared`: `share_threshold`, every value its wildcard matches counts in one bucket."""
+
+    rate_limit: RlsRateLimit | None
+    children: Mapping[str, RlsDescriptor] = field(default_factory=dict, compare=False)
+    wildcards: tuple[tuple[str, tuple[str, ...], str], ...] = ()
+    value: str = ""  # as written in the file: the pattern a shared node's buckets are keyed by
+    shared: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class RlsConfig:
+    """Envoy's rate-limit service (gateway.envoy): where it listens, and the descriptor trees
+    of each domain, read from envoyproxy/ratelimit's YAML files at `config_path`."""
+
+    listen: Address
+    config_path: str
+    domains: Mapping[str, RlsDescriptor] = field(compare=False)  # domain -> its root (no rate limit)

@@ -28,9 +28,8 @@ from typing import Any
 import yaml
 
 from gateway.config import safe_yaml
-from gateway.config.model import FailurePolicy, IdentitySource, Limit, Quota
+from gateway.config.model import FailurePolicy, IdentitySource, Limit, Quota, RlsConfig, RlsDescriptor, RlsRateLimit
 from gateway.config.reader import ConfigError, _choice, _Reader, _type_name
-from gateway.config.rls_model import RlsConfig, RlsDescriptor, RlsRateLimit
 from gateway.config.units import Address, Rate
 
 # envoyproxy/ratelimit's units, as Envoy's RateLimitResponse.RateLimit.Unit names them

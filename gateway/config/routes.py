@@ -13,18 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.config.http_names import FORWARDING, HOP_BY_HOP, HOST_RE, HTTP_TOKEN_RE
-from gateway.config.model import (
-    ConcurrencyLimit,
-    HeaderRules,
-    Limit,
-    Match,
-    PathForm,
-    Route,
-    RouteLimit,
-    UpstreamPool,
-    UpstreamTimeout,
-    ValueMatch,
-)
+from gateway.config.model import ConcurrencyLimit, HeaderRules, Limit, Match, PathForm, Route, RouteLimit, UpstreamTimeout, ValueMatch
+from gateway.config.pool_model import UpstreamPool
 from gateway.config.reader import _join, _Reader, _type_name
 from gateway.config.regex import Regex
 from gateway.config.units import parse_duration, parse_size

@@ -13,13 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from gateway.config.model import (
-    Balance,
-    HealthCheck,
-    PassiveEjection,
-    Target,
-    UpstreamPool,
-)
+from gateway.config.pool_model import Balance, HealthCheck, PassiveEjection, Target, UpstreamPool
 from gateway.config.reader import _choice, _Reader, _split_url
 from gateway.config.redaction import redacted_url
 from gateway.config.units import parse_duration

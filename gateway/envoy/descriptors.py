@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 
-from gateway.config.rls_model import RlsDescriptor, RlsRateLimit
+from gateway.config.model import RlsDescriptor, RlsRateLimit
 
 Entries = Sequence[tuple[str, str]]  # a descriptor's (key, value) entries, in order
 

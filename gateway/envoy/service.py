@@ -35,10 +35,9 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from gateway.config.model import FailurePolicy, GatewayConfig, Limit
+from gateway.config.model import FailurePolicy, GatewayConfig, Limit, RlsConfig, RlsRateLimit
 from gateway.config.reader import MAX_COUNT
 from gateway.config.rls import UNIT_SECONDS, override_limit
-from gateway.config.rls_model import RlsConfig, RlsRateLimit
 from gateway.envoy.bounds import frame_fault, grpc_options, request_fault
 from gateway.envoy.descriptors import identity_of, rate_limit_of, request_over_limit, without_replaced
 from gateway.envoy.generated import rls_pb2

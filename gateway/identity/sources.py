@@ -47,14 +47,7 @@ from typing import Any, ClassVar
 from aiohttp import web
 
 from gateway.config.http_names import cgi_name, request_host
-from gateway.config.model import (
-    DEFAULT_IDENTITY_MAX_LENGTH,
-    ClientIpHeader,
-    ClientIpStrategy,
-    IdentitySource,
-    IPNetwork,
-    JwtConfig,
-)
+from gateway.config.model import DEFAULT_IDENTITY_MAX_LENGTH, ClientIpHeader, ClientIpStrategy, IdentitySource, IPNetwork, JwtConfig
 from gateway.identity.jwt import JwtVerifier, bearer_token, claim_value
 from gateway.identity.methods import method_label
 from gateway.identity.values import IdentityRejected, sent_value, single_header

@@ -22,7 +22,6 @@ from multidict import CIMultiDict
 
 from gateway.config.http_names import cgi_name
 from gateway.config.model import (
-    Balance,
     ConcurrencyLimit,
     FailurePolicy,
     ForwardedHeaders,
@@ -32,8 +31,8 @@ from gateway.config.model import (
     Match,
     PathNormalization,
     Route,
-    UpstreamPool,
 )
+from gateway.config.pool_model import Balance, UpstreamPool
 from gateway.config.redaction import redacted_url
 from gateway.identity.sources import ClientIdentity, IdentityKey, RouteIdentity
 from gateway.limiter.decision import local_share

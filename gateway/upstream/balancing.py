@@ -20,7 +20,8 @@ import enum
 import random
 from collections.abc import Callable, Mapping, Sequence
 
-from gateway.config.model import Balance, GatewayConfig, HealthCheck, PassiveEjection, UpstreamPool
+from gateway.config.model import GatewayConfig
+from gateway.config.pool_model import Balance, HealthCheck, PassiveEjection, UpstreamPool
 
 
 class Outcome(enum.Enum):

@@ -27,7 +27,7 @@ from typing import Protocol
 from multidict import CIMultiDict
 from prometheus_client import Gauge
 
-from gateway.config.model import HealthCheck
+from gateway.config.pool_model import HealthCheck
 from gateway.upstream.balancing import TargetState
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.errors import ConnectFailed, UpstreamError, UpstreamTimeout
