@@ -56,7 +56,7 @@ def serialized_head(version: HttpVersion, status: int, reason: str, headers: CIM
         # ASCII is one byte a character either way, and aiohttp's serializer, in C, is the quicker.
         return _ascii_head(f"HTTP/{version.major}.{version.minor} {status} {reason}", headers)
     lines = list(map(": ".join, headers.items()))
-    if _CONTROL.search(reason) is not None or _CONTROL.search("".join(lines)) is not None:
+    if not relayable_reason(reason) or _CONTROL.search("".join(lines)) is not None:
         raise ValueError("Forbidden control character in a response header")
     status_line = b"HTTP/%d.%d %d %s\r\n" % (version.major, version.minor, status, reason.encode("latin-1"))
     if not lines:
