@@ -3,8 +3,9 @@ broken server would: framing it refuses, heads past their bounds, bytes when no
 response is expected, and that a failed connection is freed at once.
 
 What the tests prove:
-- a transfer-coding list that is not exactly `chunked`, a status outside 100–599 and a
-  version other than HTTP/1.0 and HTTP/1.1 fail with UpstreamFailed, and their
+- a transfer-coding list that is not exactly `chunked`, a status outside 100–599, a
+  version other than HTTP/1.0 and HTTP/1.1 and a control byte in the reason phrase fail
+  with UpstreamFailed, and their
   connection is closed, never reused;
 - a response head past `HeadBounds` (bytes or header lines) fails at once, however the
   upstream goes on, and its connection is closed; a head at the bounds is read whole;
@@ -49,6 +50,9 @@ REFUSED = {
     "HTTP/2.0 after an interim HTTP/1.1 head": b"HTTP/1.1 100 Continue\r\n\r\nHTTP/2.0 200 OK\r\nContent-Length: 2\r\n\r\nok",
     "HTTP/1.2": b"HTTP/1.2 200 OK\r\nContent-Length: 2\r\n\r\nok",
     "HTTP/0.9 status line": b"HTTP/0.9 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    # llhttp lets control bytes through in a reason phrase, and nowhere else in a head.
+    "a control byte in the reason phrase": b"HTTP/1.1 200 O\x01K\r\nContent-Length: 2\r\n\r\nok",
+    "DEL in the reason phrase, no body": b"HTTP/1.1 204 No\x7fContent\r\n\r\n",
 }
 
 

@@ -35,7 +35,7 @@ from gateway.proxy.access_log import AccessRecord
 from gateway.proxy.bounded_protocol import ClientLimitExceeded, hung_up
 from gateway.proxy.header_rewrite import rewrite_headers
 from gateway.proxy.problem import RETRY_AFTER_ONE, Problem, problem_response
-from gateway.proxy.relayed_response import ArrivedResponse, RelayedResponse, relayable_reason
+from gateway.proxy.relayed_response import ArrivedResponse, RelayedResponse
 from gateway.proxy.route_plan import PoolPlan, RoutePlan, TargetPlan
 from gateway.proxy.websocket import WebSocketConnectFailed, proxy_websocket
 from gateway.upstream.balancing import Outcome, retry_allowed
@@ -203,11 +203,6 @@ class HttpAttempt:
         outcome = Outcome.SERVER_ERROR if upstream.status >= 500 else Outcome.ANSWERED
         try:
             record.upstream_status, record.upstream_ms = upstream.status, round(latency * 1000, 3)
-            if not upstream.reason.isprintable() and not relayable_reason(upstream.reason):
-                # llhttp lets control bytes through in a reason phrase alone; sent, they could end the line.
-                outcome = Outcome.FAILED
-                log.warning("upstream %s failed: a control byte in its reason phrase", target.where)
-                return _FAILED.response(limit_headers)
             arrived = upstream.arrived
             response = (ArrivedResponse if arrived else RelayedResponse)(status=upstream.status, reason=upstream.reason)
             response.headers.extend(upstream.headers)

@@ -15,8 +15,8 @@ Obs-text (0x80-0xFF) is passed on, not refused: RFC 9110 §5.5 lets a recipient 
 nginx relays header bytes unchanged, and Envoy's HTTP/1 codec accepts it
 (`HeaderUtility::headerValueIsValid`, obs-text allowed) and relays the bytes. Control
 bytes are refused as Envoy refuses them (nginx is laxer): llhttp fails the attempt on
-one in a header field, and the relay on one in the reason phrase (`relayable_reason`),
-a 502 before anything is written. `serialized_head` refuses them again, as aiohttp's
+one in a header field, and the upstream connection on one in the reason phrase, which
+llhttp lets through: a 502 before anything is written, and the connection closed. `serialized_head` refuses them again, as aiohttp's
 writer does, so no value can split a line whatever reaches it.
 
 Trusts nothing in the values. Names are tokens: llhttp and the config loader allow
@@ -28,7 +28,9 @@ from __future__ import annotations
 import re
 
 from aiohttp import hdrs, web
-from aiohttp.http import HttpVersion
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.helpers import rfc822_formatted_time, should_remove_content_length
+from aiohttp.http import HttpVersion, HttpVersion10, HttpVersion11
 from aiohttp.http_writer import StreamWriter
 from aiohttp.http_writer import _serialize_headers as _ascii_head
 from multidict import CIMultiDict
@@ -71,22 +73,46 @@ class RelayedResponse(web.StreamResponse):
     have sniffed and shown (RFC 9110 §8.3 leaves that to the recipient); nginx and Envoy
     add none either."""
 
-    async def _prepare_headers(self) -> None:  # aiohttp's, run as the response starts
-        typed = hdrs.CONTENT_TYPE in self.headers
-        await super()._prepare_headers()
-        if not typed:
-            self.headers.popall(hdrs.CONTENT_TYPE, None)
-
-    async def _write_headers(self) -> None:  # aiohttp's, run once every field is final
-        request = self._req
-        writer = self._payload_writer
-        assert request is not None and isinstance(writer, StreamWriter)
+    async def _start(self, request: web.BaseRequest) -> AbstractStreamWriter:  # aiohttp's, from prepare()
+        """aiohttp's `_start`, `_prepare_headers`, the request's `_prepare_hook` and
+        `_write_headers` as one coroutine rather than four: a relayed response sets no
+        cookie, compression or chunking of its own, takes no Content-Type, and the public
+        listener's hook only drops the Server banner. The fields are aiohttp's."""
+        self._req = request
+        writer = self._payload_writer = request._payload_writer
+        assert isinstance(writer, StreamWriter)
+        keep_alive = self._keep_alive
+        if keep_alive is None:
+            keep_alive = self._keep_alive = request.keep_alive
+        version = request.version
+        headers = self._headers
+        length = writer.length = self.content_length
+        if self._must_be_empty_body:
+            if length is not None and should_remove_content_length(request.method, self._status):
+                del headers[hdrs.CONTENT_LENGTH]
+            headers.popall(hdrs.TRANSFER_ENCODING, None)  # RFC 9112 §6.1: none on a response without a body
+        elif length is None:
+            if version >= HttpVersion11:
+                writer.enable_chunking()
+                headers[hdrs.TRANSFER_ENCODING] = "chunked"
+            else:
+                keep_alive = False  # to HTTP/1.0 the body ends with the connection
+        if hdrs.DATE not in headers:
+            headers[hdrs.DATE] = rfc822_formatted_time()
+        headers.popall(hdrs.SERVER, None)
+        if hdrs.CONNECTION not in headers:
+            if keep_alive:
+                if version == HttpVersion10:
+                    headers[hdrs.CONNECTION] = "keep-alive"
+            elif version == HttpVersion11:
+                headers[hdrs.CONNECTION] = "close"
         # What StreamWriter.write_headers does with the head it serializes: hold it, to go
         # out with the first body bytes or at once.
-        writer._headers_buf = serialized_head(request.version, self._status, self._reason, self._headers)
+        writer._headers_buf = serialized_head(version, self._status, self._reason, headers)
         writer._headers_written = False
         if self._send_headers_immediately:
             writer.send_headers()
+        return writer
 
 
 class ArrivedResponse(RelayedResponse):

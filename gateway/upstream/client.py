@@ -202,16 +202,16 @@ class UpstreamClient:
         endpoint = self.endpoint
         after_target = endpoint.after_target if host is None else _after_target(host)
         lines = [f"{method} {endpoint.base_path}{target}{after_target}"]
-        if endpoint.authorization_line and "Authorization" in headers:  # a lookup that ignores case
+        if not endpoint.authorization_line:
+            for name, value in headers.items():
+                lines.append(f"{name}: {value}\r\n")
+        else:
             # The URL's credentials are the gateway's login to this upstream: they replace the
             # client's, whom the upstream would otherwise see beside them, or instead of them.
             for name, value in headers.items():
                 if name.lower() != "authorization":
                     lines.append(f"{name}: {value}\r\n")
-        else:
-            for name, value in headers.items():
-                lines.append(f"{name}: {value}\r\n")
-        lines.append(endpoint.authorization_line)
+            lines.append(endpoint.authorization_line)
         if body is None:
             lines.append("Content-Length: 0\r\n\r\n" if method in _LENGTH_ALWAYS else "\r\n")
         elif length is not None:

@@ -17,6 +17,7 @@ connection in a reference cycle that only a full collection would free.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterable
 from dataclasses import dataclass
 from functools import partial
@@ -37,6 +38,7 @@ HIGH_WATER = 64 * 1024
 # RFC 9110 §7.6.1: fields of one connection, never relayed (gateway.config.http_names.HOP_BY_HOP as bytes).
 _HOP_BY_HOP = frozenset(name.encode() for name in HOP_BY_HOP)
 _LAST_CHUNK = b"0\r\n\r\n"
+_REASON_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _CLOSE, _NO_BODY = Framing.CLOSE, Framing.NONE
 
 
@@ -259,7 +261,12 @@ class UpstreamConnection(asyncio.Protocol):
         for token in tokens:
             if token:
                 headers.popall(token.decode("latin-1"), None)
-        exchange.head = (status, exchange.reason.decode("latin-1"), headers)
+        reason = exchange.reason
+        if not reason.isalpha() and _REASON_CONTROL.search(reason) is not None:
+            # llhttp lets control bytes through in a reason phrase and nowhere else in a head;
+            # relayed, CR or LF would end the line (RFC 9112 §4: HTAB, SP, VCHAR, obs-text).
+            raise UpstreamFailed("a control byte in the reason phrase")
+        exchange.head = (status, reason.decode("latin-1"), headers)
         if framing is _NO_BODY:
             exchange.complete = True
             # llhttp would wait for the body a HEAD response's Content-Length announces.
