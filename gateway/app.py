@@ -70,7 +70,7 @@ class Gateway:
         self.store = make_store(config.store, local_memory=config.local_store_memory, on_evict=evicted)
         self.limiter = Limiter(
             self.store,
-            local_store=lambda: MemoryStore(max_bytes=config.local_store_memory, on_evict=evicted),
+            local_store=lambda **kw: MemoryStore(max_bytes=config.local_store_memory, on_evict=evicted, **kw),
             local_divisor=config.local_divisor,
             shared_store=config.store is not None,
             on_breaker_change=breaker_gauge_setter(self.metrics.store_breaker),

@@ -165,7 +165,27 @@ async def test_every_store_frees_an_unreleased_lease_after_its_ttl_and_not_befor
 
     await eventually(admitted, what="the dead lease to expire", deadline=5)
     assert refused_until[0] - taken_at >= 0.9  # refused for about the TTL, give or take the clocks
-    assert time.monotonic() - taken_at <= 1.5
+
+
+async def test_redis_times_a_lease_by_its_own_clock_to_the_millisecond(redis_for_leases):
+    """The lease's expiry, as Redis keeps it, is its TIME at the take plus the TTL: read
+    from Redis's clock before and after, not from how long the test waited."""
+    with redis_for_leases.client() as client:
+        client.flushall()
+    async with redis_store(redis_for_leases.url) as store:
+        client = redis_for_leases.client()
+        dead = lease("one", "dead", identity="header:x-api-key=timed")  # lease_ttl 1s
+        before = _millis(client.time())
+        assert (await store.acquire(dead)).admitted
+        after = _millis(client.time())
+        expires = client.zscore(await store._lease_key(dead), "dead")
+        client.close()
+        assert before + 1000 <= expires <= after + 1000
+
+
+def _millis(time_reply: tuple[int, int]) -> int:
+    seconds, micros = time_reply
+    return seconds * 1000 + micros // 1000
 
 
 async def test_many_concurrent_takes_admit_exactly_the_capacity(store: Store):

@@ -29,7 +29,6 @@ wave's seats with `check_seats`.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -121,15 +120,16 @@ class ClientWaves:
             wave.done.set_result(None)
 
 
-def check_seats(checks: Sequence[LimitCheck], waited: Wave) -> int:
+def check_seats(checks: Sequence[LimitCheck], waited: Wave, now: float) -> int:
     """How many of these checks could pass now, at most, by what the store told the wave
     waited for: its fewest tokens left, refilled at each limit's rate since that wave was
     sent (a quota: none until its window ends), plus what shaping may borrow. Other
     gateways only take tokens away, so more would be denied; a store that gives tokens
-    back (a refund) only makes a check wait one round trip longer than it had to."""
+    back (a refund) only makes a check wait one round trip longer than it had to. `now`:
+    the clock `sent_at` was read from."""
     if waited.sent_at is None:
         return UNLIMITED_SEATS
-    elapsed = time.monotonic() - waited.sent_at
+    elapsed = now - waited.sent_at
     seats = UNLIMITED_SEATS
     for check, left, reset in zip(checks, waited.fewest_left, waited.resets):
         if left is None or check.cost == 0:  # a cost of 0 always passes

@@ -128,9 +128,12 @@ class Concurrency:
         breaker: CircuitBreaker | None = None,
         on_release_failed: Callable[[], None] | None = None,
         local_store: MemoryStore | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock`: what breaker waits and lease expiries are read from (the limiter's)."""
+        self._clock = clock
         self._store = store
-        self._local_store = local_store if local_store is not None else MemoryStore()
+        self._local_store = local_store if local_store is not None else MemoryStore(clock=clock)
         self._local_divisor = local_divisor
         self._local_limits: dict[str, tuple[ConcurrencyLimit, ConcurrencyLimit]] = {}  # name -> (limit, its share)
         self._breaker = breaker
@@ -190,7 +193,7 @@ class Concurrency:
     async def _take(self, lease: LeaseCheck) -> tuple[LeaseStatus, Store | None]:
         """The lease's status, and the store that holds it (None: not held)."""
         breaker = self._breaker
-        if breaker is not None and not breaker.allows(time.monotonic()):
+        if breaker is not None and not breaker.allows(self._clock()):
             return self._on_store_error(lease, "the store failed repeatedly; circuit breaker open")
         try:
             answer = await self._store.acquire(lease)
@@ -199,16 +202,16 @@ class Concurrency:
             return LeaseStatus(lease.limit, NO_ROOM), None
         except StoreNotConnected as exc:
             if breaker is not None:
-                breaker.not_sent(time.monotonic())
+                breaker.not_sent(self._clock())
             return self._on_store_error(lease, str(exc))
         except StoreError as exc:
             if breaker is not None:
-                breaker.failed(time.monotonic())
+                breaker.failed(self._clock())
             self.release(self._store, lease)  # the script may have run
             return self._on_store_error(lease, str(exc))
         except asyncio.CancelledError:
             if breaker is not None:
-                breaker.abandoned(time.monotonic())
+                breaker.abandoned(self._clock())
             self.release(self._store, lease)
             raise
         if breaker is not None:
@@ -234,7 +237,7 @@ class Concurrency:
 
     def _log_failure(self, line: str) -> None:
         """One line a second, however many requests the store fails."""
-        now = time.monotonic()
+        now = self._clock()
         if now - self._last_failure_log >= FAILURE_LOG_INTERVAL:
             self._last_failure_log = now
             log.warning("%s", line)
@@ -282,7 +285,7 @@ class Concurrency:
 
     async def _release(self, store: Store, lease: LeaseCheck) -> None:
         # The lease was last taken or renewed before now, so it has expired by `expired`.
-        expired = time.monotonic() + lease.limit.lease_ttl
+        expired = self._clock() + lease.limit.lease_ttl
         wait = RELEASE_RETRY_FIRST
         woken = False  # the last try was woken early by the store answering another call
         while True:
@@ -291,7 +294,7 @@ class Concurrency:
                 self._store_answered()
                 return
             except StoreError as exc:
-                if time.monotonic() + wait >= expired:
+                if self._clock() + wait >= expired:
                     log.debug("could not release a lease of %s, left to its TTL: %s", lease.limit.name, exc)
                     if self._on_release_failed is not None:
                         self._on_release_failed()

@@ -111,10 +111,14 @@ class Limiter:
         on_breaker_change: Callable[[BreakerState], None] | None = None,
         on_lease_release_failed: Callable[[], None] | None = None,
         resets: WorkerResets | None = None,
-        local_store: Callable[[], MemoryStore] = MemoryStore,
+        local_store: Callable[..., MemoryStore] = MemoryStore,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`resets`: with several workers, the log of bucket resets they share. `local_store`
-        makes each in-process stand-in of `on_store_error: local`."""
+        makes each in-process stand-in of `on_store_error: local`, on `clock`. `clock`: the
+        seconds every expiry, refill and breaker wait here is read from, so that tests of
+        them can set the time rather than wait for it."""
+        self._clock = clock
         self.store = store
         # The store that leases tokens and takes them back: a shared one only, found once.
         self._shared = store if isinstance(store, SharedStore) else None
@@ -127,22 +131,23 @@ class Limiter:
         else:
             self.denials = DenialCache()
         self.breaker = CircuitBreaker(on_change=on_breaker_change)
-        self._waves = ClientWaves(seats=check_seats)
+        self._waves = ClientWaves(seats=lambda checks, waited: check_seats(checks, waited, clock()))
         self._local_divisor = local_divisor
-        self._local_store = local_store()
+        self._local_store = local_store(clock=clock)
         self._local_limits: dict[tuple[str, int], tuple[Limit, Limit]] = {}  # (name, cost) -> (limit, its share)
         self._last_failure_log = -FAILURE_LOG_INTERVAL
         self._last_refund_log = -FAILURE_LOG_INTERVAL
         self._refunds: set[asyncio.Future[None]] = set()  # the event loop holds tasks only weakly
         # (limit name, identity) of each denial, for the admin API's top limited clients.
-        self.top_limited = TopLimited(now=time.monotonic())
+        self.top_limited = TopLimited(now=clock())
         # Concurrency limits: leases in the same store, behind the same breaker.
         self.concurrency = Concurrency(
             store,
             local_divisor=local_divisor,
             breaker=self.breaker if shared_store else None,
             on_release_failed=on_lease_release_failed,
-            local_store=local_store(),
+            local_store=local_store(clock=clock),
+            clock=clock,
         )
 
     async def check(self, checks: Sequence[LimitCheck], *, shed: bool = False) -> Decision:
@@ -170,7 +175,7 @@ class Limiter:
             except StoreFull as exc:
                 decision = self._no_room(checks, exc)
         if not decision.allowed:  # an allowed request costs this one test
-            now = time.monotonic()
+            now = self._clock()
             for c, status in zip(checks, decision.statuses):
                 if status.denied:
                     self.top_limited.denied(c.limit.name, c.identity, now)
@@ -221,7 +226,7 @@ class Limiter:
         assert leases is not None
         answered = True
         while True:
-            left = leases.take(check, time.monotonic())
+            left = leases.take(check, self._clock())
             if left is not None:
                 return Decision(
                     allowed=True, statuses=(LimitStatus(check.limit, check.cost, left, ALLOW),), retry_after=0.0, store_failed=False
@@ -249,7 +254,7 @@ class Limiter:
         assert self.leases is not None and self._shared is not None
         grant = await self._shared.lease(check, max(check.limit.lease, check.cost))
         if grant.allowed:
-            self.leases.grant(check, grant.granted - check.cost, grant.remaining, time.monotonic())
+            self.leases.grant(check, grant.granted - check.cost, grant.remaining, self._clock())
         return StoreDecision(allowed=grant.allowed, remaining=(grant.remaining,), retry_after=grant.retry_after, resets=(None,))
 
     def _refund(self, check: LimitCheck, tokens: int) -> None:
@@ -273,7 +278,7 @@ class Limiter:
             self._refund_lost(check, tokens, exc)
 
     def _refund_lost(self, check: LimitCheck, tokens: int, exc: StoreError) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if now - self._last_refund_log >= FAILURE_LOG_INTERVAL:
             self._last_refund_log = now
             log.warning(
@@ -296,7 +301,7 @@ class Limiter:
         back to their leases and count as skipped, as do the limits not asked. What a lease
         cannot keep goes back to the store in the background (`_refund`)."""
         assert self.leases is not None
-        now = time.monotonic()
+        now = self._clock()
         for i in spent:
             excess = self.leases.give_back(checks[i], now)
             if excess:
@@ -316,7 +321,7 @@ class Limiter:
         store failed this request already; the failure policies answer without asking it."""
         owes = owes_charge(checks)
         if not owes:
-            cached = denials.lookup(checks, time.monotonic())
+            cached = denials.lookup(checks, self._clock())
             if cached is not None:
                 return cached_denial(checks, cached)
         if failed is not None:
@@ -338,10 +343,10 @@ class Limiter:
         error = None
         try:
             if wave.after is not None:  # the wave waited for may have emptied the bucket
-                cached = denials.lookup(checks, time.monotonic())
+                cached = denials.lookup(checks, self._clock())
                 if cached is not None:
                     return cached_denial(checks, cached)
-            sent_at = time.monotonic()
+            sent_at = self._clock()
             found = await self._ask_store(checks, denials, lease=lease, sent_at=sent_at)
             if found is None:
                 # Not the wave's error: the store was not asked, and the next wave asks
@@ -364,26 +369,26 @@ class Limiter:
         """The store's answer, behind the circuit breaker (None: it holds the store back), taught
         to the denial cache. Raises StoreError."""
         if sent_at is None:
-            sent_at = time.monotonic()
+            sent_at = self._clock()
         if not self.breaker.allows(sent_at):
             return None
         try:
             answer = await (self._lease_from_store(checks[0]) if lease else self.store.check(checks))
         except StoreNotConnected:
-            self.breaker.not_sent(time.monotonic())
+            self.breaker.not_sent(self._clock())
             raise
         except StoreError:
-            self.breaker.failed(time.monotonic())
+            self.breaker.failed(self._clock())
             raise
         except asyncio.CancelledError:
-            self.breaker.abandoned(time.monotonic())
+            self.breaker.abandoned(self._clock())
             raise
         self.breaker.succeeded()
         denials.learn(checks, answer, sent_at)
         return answer
 
     def _on_store_error(self, checks: Sequence[LimitCheck], exc: StoreError) -> Decision:
-        now = time.monotonic()
+        now = self._clock()
         if now - self._last_failure_log >= FAILURE_LOG_INTERVAL:
             self._last_failure_log = now
             log.warning("store failed, applying failure policies (%s): %.200s", policies_named(checks), exc)
@@ -425,7 +430,7 @@ class Limiter:
 
     def _no_room(self, checks: Sequence[LimitCheck], exc: StoreFull) -> Decision:
         """The in-process store could not hold this request's buckets: refused, nothing charged."""
-        now = time.monotonic()
+        now = self._clock()
         if now - self._last_failure_log >= FAILURE_LOG_INTERVAL:
             self._last_failure_log = now
             log.warning("refusing requests with 503: %s", exc)
@@ -446,7 +451,7 @@ class Limiter:
         """How long this process still answers that bucket's denial itself (0: it asks the store)."""
         if self.denials is None:
             return 0.0
-        return self.denials.held_for(limit, identity, time.monotonic())
+        return self.denials.held_for(limit, identity, self._clock())
 
     async def reset_bucket(self, limit: Limit, identity: str) -> bool:
         """Delete the bucket in the store, and then this process's cached denials of it,
