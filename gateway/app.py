@@ -16,6 +16,7 @@ from aiohttp import web
 from gateway.admin import admin_app
 from gateway.config import ConfigError, load_config, tls
 from gateway.config.model import GatewayConfig
+from gateway.decision.core import Decider
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.memory_store import MemoryStore
 from gateway.limiter.store import StoreError, refusal
@@ -77,9 +78,10 @@ class Gateway:
             on_lease_release_failed=self.metrics.lease_release_failures.inc,
             resets=resets,
         )
-        self.handler = ProxyHandler(config, self.limiter, self.metrics)
-        self.rls = _rls_service(config, self.limiter, self.metrics)
-        self.decisions = DecisionService(self.handler, self.metrics)  # served only with decision_listen
+        self.decider = Decider(self.limiter, self.metrics.limiter_latency, self.metrics.delay)
+        self.handler = ProxyHandler(config, self.decider, self.metrics)
+        self.rls = _rls_service(config, self.decider, self.metrics)
+        self.decisions = DecisionService(lambda: self.handler.plans, self.decider, self.metrics)  # served only with decision_listen
         # The public listener's, built here so that a reload can load renewed files into it.
         self.tls_context = tls.server_context(config.listen_tls) if config.listen_tls else None
         self.draining = False  # set when the drain starts: /readyz answers 503 from then on
@@ -178,11 +180,11 @@ class Gateway:
         await self.store.close()
 
 
-def _rls_service(config: GatewayConfig, limiter: Limiter, metrics: Metrics) -> RateLimitService | None:
+def _rls_service(config: GatewayConfig, decider: Decider, metrics: Metrics) -> RateLimitService | None:
     """Envoy's rate-limit service on the same limiter, when the config has `rls_listen`;
     imported only then, since grpcio is an extra."""
     if config.rls is None:
         return None
     from gateway.envoy.service import RateLimitService
 
-    return RateLimitService(config, limiter, metrics.rls_descriptors)
+    return RateLimitService(config, decider, metrics.rls_descriptors)

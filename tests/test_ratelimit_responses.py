@@ -16,8 +16,8 @@ import pytest
 from multidict import CIMultiDict
 
 from gateway.config.model import ConcurrencyLimit, FailurePolicy, HeaderStyle, Limit, ResponseStyle
+from gateway.decision.problems import ProblemTemplate, problem_body
 from gateway.limiter.decision import LimitStatus, local_share
-from gateway.proxy.problem import ProblemTemplate, problem_body
 from gateway.ratelimit_headers import RateLimitFields, most_restrictive, retry_after_seconds
 from gateway.testing import config_from_yaml, running_gateway
 

@@ -15,12 +15,12 @@ from typing import Any, cast
 from aiohttp import web
 
 from gateway.config.model import ConcurrencyLimit, GatewayConfig, IdentitySource, Limit
+from gateway.decision.problems import PROBLEM_CONTENT_TYPE, problem_body
 from gateway.identity.sources import identity_value
 from gateway.identity.tiers import tier_of
 from gateway.limiter.keys import PROCESS_SECRET, HeldByDigest, identity_digest
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.store import StoreError
-from gateway.proxy.problem import PROBLEM_CONTENT_TYPE, problem_body
 
 DEFAULT_TOP = 10
 

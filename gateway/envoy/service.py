@@ -38,11 +38,11 @@ from google.protobuf.message import DecodeError
 from gateway.config.model import FailurePolicy, GatewayConfig, Limit, RlsConfig, RlsRateLimit
 from gateway.config.reader import MAX_COUNT
 from gateway.config.rls import UNIT_SECONDS, override_limit
+from gateway.decision.core import Decider
 from gateway.envoy.bounds import frame_fault, grpc_options, request_fault
 from gateway.envoy.descriptors import identity_of, rate_limit_of, request_over_limit, without_replaced
 from gateway.envoy.generated import rls_pb2
 from gateway.limiter.decision import Decision, LimitStatus, local_share
-from gateway.limiter.limiter import Limiter
 from gateway.limiter.outcomes import ALLOW, DENY, FAIL_CLOSED, FAIL_LOCAL, FAIL_OPEN, NO_ROOM, SHADOW_LIMITED, SKIPPED
 from gateway.limiter.store import LimitCheck
 from gateway.ratelimit_headers import RateLimitFields
@@ -77,9 +77,10 @@ class InvalidRequest(Exception):
 class RateLimitService:
     """The limiter behind `ShouldRateLimit`, for one config (swapped on reload)."""
 
-    def __init__(self, config: GatewayConfig, limiter: Limiter, counted: Any) -> None:
+    def __init__(self, config: GatewayConfig, decider: Decider, counted: Any) -> None:
         """`counted`: gateway_rls_descriptors_total, labelled by domain and decision."""
-        self.limiter = limiter
+        self.decider = decider
+        self.limiter = decider.limiter
         self._counted = counted
         self.reload(config)
         self._overrides: dict[tuple[str, int, str], Limit] = {}
@@ -135,10 +136,7 @@ class RateLimitService:
                 slots.append(_add(checks, seen, check))
             else:
                 slots.append(None)
-        if any(c.limit.shadow for c in checks):
-            decision = await self.limiter.check_with_shadow(checks, shed=shed)
-        else:
-            decision = await self.limiter.check(checks, shed=shed)
+        decision = await self.decider.check(checks, shadowed=any(c.limit.shadow for c in checks), shed=shed)
         if not decision.allowed and not shed:
             decision = await self._read_unasked(checks, decision)
         domain = request.domain if known else UNKNOWN_DOMAIN

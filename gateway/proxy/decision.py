@@ -24,26 +24,31 @@ the target as sent, would forward another request than the one decided on
 (gateway.proxy.forwarded_target).
 
 Routing, identities, tiers, costs, shadow mode and failure policies are the proxy's own
-(ProxyHandler.check); only concurrency limits are not taken, since a decision never sees
+(the decision core, gateway.decision); only concurrency limits are not taken, since a decision never sees
 the end of the request it admits: they are skipped and counted.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
+from gateway.decision.core import Decider
+from gateway.decision.problems import PROBLEM_CONTENT_TYPE
+from gateway.identity.values import IdentityRejected
 from gateway.metrics import Metrics
 from gateway.proxy.access_log import AccessRecord, request_id
+from gateway.proxy.asked_identities import rate_identities
 from gateway.proxy.forwarded_target import TargetRefused, forwarded_target
-from gateway.proxy.handler import ProxyHandler
 from gateway.proxy.paths import NormalPath
-from gateway.proxy.problem import PROBLEM_CONTENT_TYPE, problem
+from gateway.proxy.problem import problem
 from gateway.proxy.protocol import checked_host
+from gateway.proxy.rejections import refused
 from gateway.proxy.route_plan import Plans
 from gateway.proxy.routing import ConditionRejected
 
@@ -139,8 +144,10 @@ class DecisionService:
     """The decision listener's one handler, on the proxy handler's plans (so a reload
     reaches it) and its limiter check."""
 
-    def __init__(self, handler: ProxyHandler, metrics: Metrics) -> None:
-        self._handler = handler
+    def __init__(self, plans: Callable[[], Plans], decider: Decider, metrics: Metrics) -> None:
+        """`plans`: those the proxy serves now, so that a reload reaches this listener too."""
+        self._plans = plans
+        self._decider = decider
         self._metrics = metrics
         self._in_flight = 0
         # The counter of each (mode, status), bound once: both come from bounded sets (the
@@ -173,7 +180,7 @@ class DecisionService:
     async def _answer(self, request: web.BaseRequest, mode: str | None) -> web.StreamResponse:
         if mode is None:
             return problem(404, "Not Found", "Decisions are asked at /decide/nginx, /decide/traefik or /decide/envoy/<path>.")
-        plans = self._handler.plans
+        plans = self._plans()
         if not plans.identity.address(request.remote or "")[1]:
             return problem(400, "Bad Request", "Only a peer in trusted_proxies may ask for decisions.")
         try:
@@ -215,13 +222,12 @@ class DecisionService:
         if path.parameters and not plan.allow_path_parameters:
             return problem(400, "Bad Request", "This route does not accept ';' parameters in the path.")
         record = AccessRecord(request_id(asked.headers.get("X-Request-ID")), plans.identity, plans.log_secret)
-        checked = await self._handler.check(asked, plan, plans, record)
-        if isinstance(checked, web.StreamResponse):
-            return checked
-        limit_headers, _, deciding = checked
-        for cp in plan.concurrency:
-            # A lease would be held for a request this listener never sees end.
-            cp.decision_skipped.inc()
-        if plan.limits:
-            self._metrics.limiter_latency.observe(deciding)
-        return web.Response(status=200, headers=limit_headers)
+        try:
+            identities, held = rate_identities(asked, plan, plans.identity, record)
+        except IdentityRejected as exc:
+            return problem(exc.status, exc.title, exc.detail, headers=exc.headers)
+        # No concurrency leases: this listener never sees the end of the request it admits.
+        verdict = await self._decider.decide(plan.decision, identities, held=held, max_delayed=plans.max_delayed)
+        if verdict.refusal is not None:
+            return refused(verdict.refusal)
+        return web.Response(status=200, headers=verdict.fields)

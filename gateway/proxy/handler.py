@@ -1,7 +1,7 @@
 """The request path: route, shed past max_in_flight, rate-limit, take concurrency leases, then
 proxy (or answer 404/429/503), giving the leases back when the response has ended.
 
-Knows nothing of Redis: it asks `Limiter.check` for a decision. Trusts the
+Knows nothing of Redis: it asks the decision core (gateway.decision) for a verdict. Trusts the
 config; trusts nothing in the request. The upstream contacted always comes
 from the matched route, never from the request target or the Host header.
 Bodies stream both ways in chunks and are never held whole, except that a
@@ -14,26 +14,20 @@ come of that, are gateway.proxy.forwarding's.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import ssl
-import time
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.config.model import GatewayConfig
+from gateway.decision.core import Decider
 from gateway.identity.methods import method_label
-from gateway.identity.sources import ClientIdentity
-from gateway.identity.tiers import held_to, tier_header, with_allowlisted
 from gateway.identity.values import IdentityRejected
-from gateway.limiter.concurrency import Admission
-from gateway.limiter.decision import UNLIMITED, Decision
-from gateway.limiter.limiter import Limiter
-from gateway.limiter.store import LimitCheck
 from gateway.metrics import STATUS_CLASSES, Metrics
 from gateway.proxy.access_log import ACCESS_RECORD, AccessRecord, request_id
+from gateway.proxy.asked_identities import lease_identities, rate_identities
 from gateway.proxy.bounded_protocol import CANCEL_ON_HANGUP, ClientLimitExceeded, hung_up
 from gateway.proxy.forwarding import HttpAttempt, Upstream, forward, websocket_attempt
 from gateway.proxy.header_rewrite import rewrite_headers
@@ -41,7 +35,7 @@ from gateway.proxy.headers import GATEWAY_WRITTEN, add_forwarded, drop_cgi_alias
 from gateway.proxy.paths import NormalPath, PathRejected, normalize_path
 from gateway.proxy.problem import RETRY_AFTER_ONE, problem
 from gateway.proxy.protocol import checked_host
-from gateway.proxy.rejections import body_too_large, concurrency_rejection, not_a_handshake, rejection
+from gateway.proxy.rejections import body_too_large, not_a_handshake, refused
 from gateway.proxy.request_body import (
     REQUEST_BUFFER_BYTES,
     STREAM_CHUNK_BYTES,
@@ -60,14 +54,13 @@ from gateway.upstream.health_checks import HealthChecks
 
 log = logging.getLogger(__name__)
 
-_NO_FIELDS: dict[str, str] = {}  # the rate-limit fields of a route without limits; never written to
 # nginx's status for a request whose client closed the connection before the answer:
 # logged and counted, never sent, and never a 5xx, which would page someone for a client's choice.
 CLIENT_CLOSED = 499
 
 
 class ProxyHandler:
-    def __init__(self, config: GatewayConfig, limiter: Limiter, metrics: Metrics) -> None:
+    def __init__(self, config: GatewayConfig, decider: Decider, metrics: Metrics) -> None:
         # Each pool target's health, ejection and load, kept across reloads.
         self._targets = TargetStates()
         # Everything compiled from the config sits behind this one reference.
@@ -75,7 +68,7 @@ class ProxyHandler:
         metrics.keep_targets(frozenset(t.name for t in self._plans.pool_targets))
         metrics.keep_routes(self._plans.route_labels, self._plans.limit_names)
         self._health = HealthChecks(metrics.target_healthy, metrics.show_targets, self._tls_of)
-        self._limiter = limiter
+        self._decider = decider
         self._metrics = metrics
         self._connections = config.upstream_connections
         self._head_bounds = HeadBounds(max_size=config.upstream_max_header_size, max_lines=config.upstream_max_header_lines)
@@ -92,9 +85,6 @@ class ProxyHandler:
         self._retiring: dict[str, int] = {}
         self._closing: set[asyncio.Future[None]] = set()  # the event loop holds tasks only weakly
         self._in_flight = 0  # requests in handle() now, this one included
-        # Requests that may be waiting out a mode: delay wait: those waiting, and those whose
-        # check may yet tell them to. At most `max_delayed`; past it, checks may not delay.
-        self._delayed = 0
 
     def _upstream(self, url: str) -> Upstream:
         return Upstream(url, self._connections, self._tls_of(url), self._head_bounds)
@@ -241,90 +231,38 @@ class ProxyHandler:
             status = response.status if response is not None else 500
             requests(method_label(request.method), STATUS_CLASSES[status // 100]).inc()
 
-    async def check(
-        self, request: web.BaseRequest, plan: RoutePlan, plans: Plans, record: AccessRecord
-    ) -> web.StreamResponse | tuple[dict[str, str], Decision, float]:
-        """The route's rate limits for `request`, a mode: delay wait included: the refusal to
-        answer, or the RateLimit fields for the answer, the decision and the seconds it took.
-        The proxy and the decision listener (gateway.proxy.decision) both decide here."""
-        # A slot to wait in is taken before the check, so waiting requests never pass the cap;
-        # without one, the check may not delay (the store rejects what it cannot admit now).
-        shaping = plan.shaping and self._delayed < plans.max_delayed
-        if shaping:
-            self._delayed += 1
-        started = time.perf_counter()
-        try:
-            decision = await self._decide(request, plan, plans.identity, record, shaping)
-            deciding = time.perf_counter() - started  # the concurrency limits' admission adds to it
-            if decision.wait:
-                started = time.perf_counter()
-                await asyncio.sleep(decision.wait)
-                self._metrics.delay.observe(time.perf_counter() - started)
-        except IdentityRejected as exc:
-            # Nothing was charged, and the upstream never hears of it.
-            return problem(exc.status, exc.title, exc.detail, headers=exc.headers)
-        finally:
-            if shaping:
-                self._delayed -= 1
-        limit_headers = plan.fields.headers(decision.statuses) if plan.limits else _NO_FIELDS
-        if not decision.allowed:
-            self._metrics.limiter_latency.observe(deciding)
-            return rejection(plan, decision, limit_headers)
-        return limit_headers, decision, deciding
-
     async def _limited(
         self, request: web.BaseRequest, plan: RoutePlan, plans: Plans, path: NormalPath, record: AccessRecord
     ) -> web.StreamResponse:
-        checked = await self.check(request, plan, plans, record)
-        if isinstance(checked, web.StreamResponse):
-            return checked
-        limit_headers, decision, deciding = checked
-        if not plan.concurrency:
-            if plan.limits:
-                self._metrics.limiter_latency.observe(deciding)
-            return await self._proxy_for_client(request, plan, plans, path, limit_headers, record)
-        started = time.perf_counter()
+        decision = plan.decision
         try:
-            admission = await self._admit(request, plan, plans.identity, record, store_failed=decision.store_unanswered)
+            identities, held = rate_identities(request, plan, plans.identity, record)
+            leases = lease_identities(request, plan, plans.identity, record) if decision.concurrency else None
         except IdentityRejected as exc:
+            # Nothing was charged, and the upstream never hears of it.
             return problem(exc.status, exc.title, exc.detail, headers=exc.headers)
-        # One observation a request, its rate limits' check and its concurrency limits' admission
-        # together: a concurrency-only route asks the store too.
-        self._metrics.limiter_latency.observe(deciding + time.perf_counter() - started)
-        if not admission.admitted:
-            return concurrency_rejection(plan, admission, limit_headers)
-        in_flight = [cp.in_flight for cp in plan.concurrency]
+        verdict = await self._decider.decide(
+            decision, identities, held=held, max_delayed=plans.max_delayed, lease_identities=leases
+        )
+        if decision.limits:
+            record.checks, record.decision = verdict.checks, verdict.decision
+        admission = verdict.admission
+        if admission is not None and leases is not None:
+            record.admission, record.lease_identities = admission, leases
+        if verdict.refusal is not None:
+            return refused(verdict.refusal)
+        if admission is None:
+            return await self._proxy_for_client(request, plan, plans, path, verdict.fields, record)
+        in_flight = [cp.in_flight for cp in decision.concurrency]
         for gauge in in_flight:
             gauge.inc()
         try:
-            return await self._proxy_for_client(request, plan, plans, path, limit_headers, record)
+            return await self._proxy_for_client(request, plan, plans, path, verdict.fields, record)
         finally:
             # However the response ended: complete, the client gone, the upstream failed, a WebSocket closed.
             admission.release()
             for gauge in in_flight:
                 gauge.dec()
-
-    async def _admit(
-        self,
-        request: web.BaseRequest,
-        plan: RoutePlan,
-        identity: ClientIdentity,
-        record: AccessRecord,
-        *,
-        store_failed: bool,
-    ) -> Admission:
-        """Leases under the route's concurrency limits, after its rate limits allowed
-        (`store_failed`: the store failed their check; the leases take their policies)."""
-        client_ip = record.client or identity.client_ip(request)
-        record.client = client_ip
-        identities = identity.identities(request, plan.concurrency_identity, client_ip)
-        admission = await self._limiter.concurrency.acquire(
-            [cp.limit for cp in plan.concurrency], identities, store_failed=store_failed
-        )
-        record.admission, record.lease_identities = admission, identities
-        for cp, status in zip(plan.concurrency, admission.statuses):
-            cp.decisions(status.outcome).inc()
-        return admission
 
     async def _proxy_for_client(
         self,
@@ -405,44 +343,6 @@ class ProxyHandler:
         host = request.headers.get("Host") if plan.preserve_host else None
         attempt = HttpAttempt(request, plan, rest, headers, host, body, length, limit_headers, record)
         return await forward(plan, self._upstreams, attempt, limit_headers, record)
-
-    async def _decide(
-        self, request: web.BaseRequest, plan: RoutePlan, identity: ClientIdentity, record: AccessRecord, shaping: bool
-    ) -> Decision:
-        limits = plan.limits
-        if not limits:
-            return UNLIMITED
-        client_ip = record.client = identity.client_ip(request)
-        identities = identity.identities(request, plan.identity, client_ip)
-        if shaping:
-            checks = [
-                LimitCheck(limit=lp.limit, identity=who, cost=lp.cost, max_delay=lp.limit.max_delay)
-                for lp, who in zip(limits, identities)
-            ]
-        else:
-            checks = [LimitCheck(limit=lp.limit, identity=who, cost=lp.cost) for lp, who in zip(limits, identities)]
-        asked, held = checks, None
-        if plan.classified:
-            trusted = identity.address(request.remote or "")[1]
-            held = [
-                held_to(c.limit, c.identity, client_ip, tier_header(request, c.limit, trusted)) if lp.classified else c.limit
-                for lp, c in zip(limits, checks)
-            ]
-            asked = [
-                c if limit is c.limit else dataclasses.replace(c, limit=limit)
-                for c, limit in zip(checks, held)
-                if limit is not None
-            ]
-        if plan.shadowed:
-            decision = await self._limiter.check_with_shadow(asked)
-        else:
-            decision = await self._limiter.check(asked)
-        if held is not None:
-            decision = with_allowlisted(decision, checks, held)
-        record.checks, record.decision = checks, decision
-        for lp, status in zip(limits, decision.statuses):
-            lp.decisions(status.outcome).inc()
-        return decision
 
 
 def _raw_path(request: web.BaseRequest) -> str | None:

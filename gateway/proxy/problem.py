@@ -1,5 +1,6 @@
-"""The gateway's own answers: RFC 9457 problem details (application/problem+json), and
-the response class that carries them and every other answer made from parts built once.
+"""The gateway's own answers as aiohttp responses: RFC 9457 problem details (their bytes
+are gateway.decision.problems'), and the response class that carries them and every other
+answer made from parts built once.
 
 Trusts its callers: bodies and fixed headers come from the config or from code, never
 from a request; only the varying fields (Retry-After, the RateLimit fields, X-Request-ID)
@@ -8,28 +9,15 @@ are written per request.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
-PROBLEM_CONTENT_TYPE = "application/problem+json"
-RETRY_AFTER_ONE = {"Retry-After": "1"}  # the gateway's 503s; shared safely: a Response copies the headers it is given
-_PROBLEM_CONTENT_TYPE_HEADER = PROBLEM_CONTENT_TYPE + "; charset=utf-8"
-# Stands for the one value a ProblemTemplate leaves open; JSON writes it as \u0000,
-# which no title, detail or limit name contains.
-_BLANK = "\x00"
-_BLANK_JSON = json.dumps(_BLANK)[1:-1].encode()
+from gateway.decision.problems import ABOUT_BLANK, PROBLEM_CONTENT_TYPE_HEADER, problem_body
 
-# The default problem type (RFC 9457 §4.2.1): the status alone says what happened.
-ABOUT_BLANK = "about:blank"
-# The problem types draft-ietf-httpapi-ratelimit-headers registers, each with the member
-# "violated-policies": the names of the limits (policies) concerned.
-QUOTA_EXCEEDED = "https://iana.org/assignments/http-problem-types#quota-exceeded"
-REDUCED_CAPACITY = "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity"
-VIOLATED_POLICIES = "violated-policies"
+RETRY_AFTER_ONE = {"Retry-After": "1"}  # the gateway's 503s; shared safely: a Response copies the headers it is given
 
 
 class Answer(web.Response):
@@ -63,16 +51,10 @@ def answer(
     return Answer(status, body, real)
 
 
-def problem_body(status: int, title: str, detail: str, *, kind: str = ABOUT_BLANK, **extra: object) -> bytes:
-    """`kind`: the problem's type URI; about:blank says the status alone tells what happened."""
-    body = {"type": kind, "title": title, "status": status, "detail": detail, **extra}
-    return json.dumps(body).encode()
-
-
 def problem_response(status: int, body: bytes, *, headers: Mapping[str, str] | None = None) -> web.Response:
     """A response with a body from problem_body or a ProblemTemplate."""
     real = CIMultiDict(headers) if headers else CIMultiDict()
-    real[hdrs.CONTENT_TYPE] = _PROBLEM_CONTENT_TYPE_HEADER
+    real[hdrs.CONTENT_TYPE] = PROBLEM_CONTENT_TYPE_HEADER
     real[hdrs.CONTENT_LENGTH] = str(len(body))
     return Answer(status, body, real)
 
@@ -100,25 +82,7 @@ class Problem:
     @classmethod
     def of(cls, status: int, title: str, detail: str, *, kind: str = ABOUT_BLANK, **extra: object) -> Problem:
         body = problem_body(status, title, detail, kind=kind, **extra)
-        return cls(status=status, body=body, fixed=answer_headers(_PROBLEM_CONTENT_TYPE_HEADER, body))
+        return cls(status=status, body=body, fixed=answer_headers(PROBLEM_CONTENT_TYPE_HEADER, body))
 
     def response(self, headers: Mapping[str, str] | None = None) -> web.Response:
         return answer(self.status, self.body, self.fixed, headers)
-
-
-@dataclass(frozen=True, slots=True)
-class ProblemTemplate:
-    """A problem body serialised once around one blank in its detail, so a response
-    that differs only in that value (the seconds to wait) costs a concatenation."""
-
-    head: bytes
-    tail: bytes
-
-    @classmethod
-    def of(cls, status: int, title: str, detail: str, *, kind: str = ABOUT_BLANK, **extra: object) -> ProblemTemplate:
-        """`detail` holds "{}" where each body's value goes, or nothing for a fixed body."""
-        head, _, tail = problem_body(status, title, detail.format(_BLANK), kind=kind, **extra).partition(_BLANK_JSON)
-        return cls(head=head, tail=tail)
-
-    def body(self, value: str = "") -> bytes:
-        return self.head + value.encode() + self.tail

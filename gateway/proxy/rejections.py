@@ -1,21 +1,18 @@
-"""The gateway's own refusals of a request, before or instead of the upstream: over a rate
-or concurrency limit (429, or as the limit's response says), a store that failed a
-fail-closed limit or an in-process store with no room (503), a body too large (413) and
-a WebSocket handshake that is not one (400). Built from the route's compiled plan; trusts
-the limiter's decision.
+"""The gateway's own refusals of a request, before or instead of the upstream, as aiohttp
+responses: the decision core's (over a rate or concurrency limit, 429 or as the limit's
+response says; a store that failed a fail-closed limit or an in-process store with no room,
+503), a body too large (413) and a WebSocket handshake that is not one (400). Built from
+the route's compiled plan and the core's prebuilt answers; trusts both.
 """
 
 from __future__ import annotations
 
-from aiohttp import hdrs, web
+from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.limiter.concurrency import Admission
-from gateway.limiter.decision import Decision
-from gateway.limiter.outcomes import ALLOW, FAIL_CLOSED, FAIL_OPEN, NO_ROOM, SKIPPED
-from gateway.proxy.problem import RETRY_AFTER_ONE, Answer, problem, problem_response
+from gateway.decision.verdict import Refusal
+from gateway.proxy.problem import Answer, problem, problem_response
 from gateway.proxy.route_plan import RoutePlan
-from gateway.ratelimit_headers import retry_after_seconds
 
 
 def not_a_handshake() -> web.Response:
@@ -35,46 +32,7 @@ def body_too_large(plan: RoutePlan, headers: dict[str, str] | None = None) -> we
     return response
 
 
-def rejection(plan: RoutePlan, decision: Decision, limit_headers: dict[str, str]) -> web.Response:
-    """A request over its limits: answered as the first limit that denied it (in the route's
-    order) says, with Retry-After whatever its header style. A fail-closed limit whose store
-    failed, or an in-process store with no room for the client: 503 problem+json with Retry-After: 1."""
-    if decision.store_failed:
-        enforced = [s for s in decision.statuses if not s.limit.shadow]
-        full = [s.limit.name for s in enforced if s.outcome == NO_ROOM]
-        return store_failed(plan, full, [s.limit.name for s in enforced if s.outcome == FAIL_CLOSED])
-    statuses = decision.statuses
-    denied = [i for i in plan.enforced if statuses[i].denied]
-    first = plan.limits[denied[0]]
-    planned = first.rejection
-    retry_after = str(retry_after_seconds(decision.retry_after))
-    if len(denied) == 1 or first.limit.response.body is not None:
-        body = retry_after.encode().join(planned.chunks)
-    else:  # the problem names every limit that denied
-        names = tuple(statuses[i].limit.name for i in denied)
-        body = plan.rejection(planned.status, names).body(retry_after)
-    headers = CIMultiDict(limit_headers)
-    headers[hdrs.RETRY_AFTER] = retry_after
-    headers.extend(planned.content_type)
-    headers[hdrs.CONTENT_LENGTH] = str(len(body))
-    return Answer(planned.status, body, headers)
-
-
-def concurrency_rejection(plan: RoutePlan, admission: Admission, limit_headers: dict[str, str]) -> web.Response:
-    if admission.store_failed:
-        statuses = admission.statuses
-        full = [s.limit.name for s in statuses if s.outcome == NO_ROOM]
-        return store_failed(plan, full, [s.limit.name for s in statuses if s.outcome == FAIL_CLOSED])
-    refused = next(i for i, s in enumerate(admission.statuses) if s.outcome not in (ALLOW, SKIPPED, FAIL_OPEN))
-    limited = plan.concurrency[refused]
-    headers = {**limit_headers, **limited.fields}
-    # The rate limits' policy, when sent, lists the concurrency limits too.
-    headers.setdefault("RateLimit-Policy", plan.fields.concurrency_policy)
-    return limited.limited.response(headers)
-
-
-def store_failed(plan: RoutePlan, full: list[str], closed: list[str]) -> web.Response:
-    """503 for limits the in-process store had no room for (`full`), else for fail-closed
-    limits whose store failed (`closed`)."""
-    template = plan.store_full(tuple(full)) if full else plan.store_unavailable(tuple(closed))
-    return problem_response(503, template.body(), headers=RETRY_AFTER_ONE)
+def refused(refusal: Refusal) -> web.Response:
+    """The decision core's refusal (over a rate or concurrency limit, or a store that failed
+    a fail-closed limit) as the answer it prebuilt: only X-Request-ID is added, by the handler."""
+    return Answer(refusal.status, refusal.body, CIMultiDict(refusal.headers))

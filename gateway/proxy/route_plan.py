@@ -14,98 +14,32 @@ Trusts the config, which `gateway.config.loader` has validated.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-from aiohttp import hdrs
-from multidict import CIMultiDict
 
 from gateway.config.http_names import cgi_name
 from gateway.config.model import (
-    ConcurrencyLimit,
-    FailurePolicy,
     ForwardedHeaders,
     GatewayConfig,
     HeaderRules,
-    Limit,
     Match,
     PathNormalization,
     Route,
 )
 from gateway.config.pool_model import Balance, UpstreamPool
 from gateway.config.redaction import redacted_url
+from gateway.decision.plan import DecisionPlan
+from gateway.decision.problems import problem_body
 from gateway.identity.sources import ClientIdentity, IdentityKey, RouteIdentity
-from gateway.limiter.decision import local_share
 from gateway.limiter.keys import PROCESS_SECRET
-from gateway.limiter.outcomes import concurrency_outcomes, rate_limit_outcomes
 from gateway.metrics import NO_TARGET, QUEUE_FULL, UNMATCHED_ROUTE, Children, Metrics
 from gateway.proxy.headers import GATEWAY_WRITTEN
 from gateway.proxy.location import LocationRewrite
-from gateway.proxy.problem import (
-    PROBLEM_CONTENT_TYPE,
-    QUOTA_EXCEEDED,
-    REDUCED_CAPACITY,
-    VIOLATED_POLICIES,
-    Problem,
-    ProblemTemplate,
-    problem_body,
-)
+from gateway.proxy.problem import Problem
 from gateway.proxy.routing import Router
-from gateway.ratelimit_headers import RateLimitFields, retry_after_seconds
 from gateway.upstream.balancing import Balancer, Outcome, TargetState
 
 _NO_RULES = HeaderRules()  # a route without request_headers or response_headers
-
-
-@dataclass(frozen=True, slots=True)
-class Rejection:
-    """What a request over one limit is answered with: its status, and its body split where
-    the seconds to wait go (the limit's `response.body`, else problem+json naming the limit)."""
-
-    status: int
-    chunks: tuple[bytes, ...]
-    content_type: CIMultiDict[str]  # the one fixed field, written after the varying ones
-
-    @classmethod
-    def of(cls, limit: Limit) -> Rejection:
-        status = limit.response.status
-        if limit.response.body is not None:
-            return cls(status, limit.response.body.chunks(limit.name), _content_type(limit.response.content_type))
-        template = _rejection_template(status, (limit.name,))
-        return cls(status, (template.head, template.tail), _PROBLEM_TYPE)
-
-
-_PROBLEM_TYPE = CIMultiDict({hdrs.CONTENT_TYPE: PROBLEM_CONTENT_TYPE + "; charset=utf-8"})
-
-
-def _content_type(value: str) -> CIMultiDict[str]:
-    return CIMultiDict({hdrs.CONTENT_TYPE: value})
-
-
-@dataclass(frozen=True, slots=True)
-class LimitPlan:
-    limit: Limit
-    cost: int
-    decisions: Children  # gateway_limiter_decisions_total for this route and limit, by decision
-    rejection: Rejection  # the answer when this limit denies
-    classified: bool  # the limit has tiers or an allowlist (gateway.identity.tiers)
-
-
-# Seconds a client refused by a concurrency limit is told to wait. Room comes back when
-# any of its requests ends, which nobody can foresee; a lease's TTL would be far too long.
-CONCURRENCY_RETRY_AFTER = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class ConcurrencyPlan:
-    limit: ConcurrencyLimit
-    decisions: Children  # gateway_limiter_decisions_total for this route and limit, by decision
-    in_flight: Any  # the gateway_concurrency_in_flight child of this limit
-    # gateway_decision_concurrency_skipped_total for this route and limit: bound here, so
-    # that it reads 0 until the decision listener skips one.
-    decision_skipped: Any
-    limited: Problem  # the 429
-    fields: dict[str, str]  # its RateLimit (none left, no window known) and Retry-After
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,13 +118,8 @@ class RoutePlan:
     allow_path_parameters: bool
     connect_timeout: float
     read_timeout: float
-    limits: tuple[LimitPlan, ...]
-    enforced: tuple[int, ...]  # the indices in `limits` of those that are not shadow limits
-    shadowed: bool  # some of the limits are shadow limits, which never reject
-    shaping: bool  # some of the limits may delay a request (mode: delay) rather than reject it
-    classified: bool  # some of the limits have tiers or an allowlist (gateway.identity.tiers)
+    decision: DecisionPlan  # its limits, compiled for the decision core
     identity: RouteIdentity  # what the limits read, and the headers Connection may not name
-    fields: RateLimitFields  # the rate-limit fields of every response
     upstream_timeout: bytes  # the 504 body
     max_body_size: int | None  # bytes of request body the route takes; more gets 413
     body_too_large: bytes  # the 413 body
@@ -200,61 +129,10 @@ class RoutePlan:
     upstream_latency: Children
     client_closed: Children  # gateway_client_closed_requests_total for this route
     unavailable: Children  # gateway_upstream_unavailable_total for this route, by reason (NO_TARGET, QUEUE_FULL)
-    concurrency: tuple[ConcurrencyPlan, ...]  # taken after `limits` allow, in order
     concurrency_identity: RouteIdentity  # what the concurrency limits read
     pool: PoolPlan  # a single upstream is a pool of one target, without ejection
     total_timeout: float | None  # timeout.total: the whole exchange, retries included
     retried: Any  # gateway_upstream_retries_total child
-    # (status, limit names, the store failed) -> problem body; one per status and subset of `limits` at most
-    _rejections: dict[tuple[int, tuple[str, ...], bool], ProblemTemplate] = field(default_factory=dict, repr=False)
-
-    def rejection(self, status: int, names: tuple[str, ...]) -> ProblemTemplate:
-        """The problem body of a request over `names` (its blank: the seconds to wait), a 429 or a 503."""
-        template = self._rejections.get((status, names, False))
-        if template is None:
-            template = self._rejections[(status, names, False)] = _rejection_template(status, names)
-        return template
-
-    def store_unavailable(self, names: tuple[str, ...]) -> ProblemTemplate:
-        """The 503 body when the fail-closed limits `names` could not be checked."""
-        template = self._rejections.get((503, names, True))
-        if template is None:
-            template = self._rejections[(503, names, True)] = ProblemTemplate.of(
-                503,
-                _TITLES[503],
-                "The rate-limit store is unavailable and this limit fails closed.",
-                kind=REDUCED_CAPACITY,
-                **{VIOLATED_POLICIES: names},
-            )
-        return template
-
-
-    def store_full(self, names: tuple[str, ...]) -> ProblemTemplate:
-        """The 503 body when the in-process store had no room for the buckets of `names`."""
-        template = self._rejections.get((503, names, None))  # type: ignore[arg-type]
-        if template is None:
-            template = self._rejections[(503, names, None)] = ProblemTemplate.of(  # type: ignore[index]
-                503,
-                _TITLES[503],
-                "The gateway's in-process store is full and cannot track another client now.",
-                kind=REDUCED_CAPACITY,
-                **{VIOLATED_POLICIES: names},
-            )
-        return template
-
-
-_TITLES = {429: "Too Many Requests", 503: "Service Unavailable"}
-
-
-def _rejection_template(status: int, names: tuple[str, ...]) -> ProblemTemplate:
-    listed = ", ".join(repr(name) for name in names)
-    return ProblemTemplate.of(
-        status,
-        _TITLES[status],
-        f"Rate limit {listed} exceeded; retry in {{}} s.",
-        kind=QUOTA_EXCEEDED,
-        **{VIOLATED_POLICIES: names},
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,33 +262,8 @@ def _route_plan(
         allow_path_parameters=route.allow_path_parameters,
         connect_timeout=timeout.connect,
         read_timeout=timeout.read,
-        limits=tuple(
-            LimitPlan(
-                limit=rl.limit,
-                cost=rl.cost,
-                decisions=Children(metrics.decisions, ("decision",), route=label, limit=rl.limit.name).export(
-                    *((outcome,) for outcome in rate_limit_outcomes(rl.limit))
-                ),
-                rejection=Rejection.of(rl.limit),
-                classified=rl.limit.tiers is not None or rl.limit.allow is not None,
-            )
-            for rl in route.limits
-        ),
-        enforced=tuple(i for i, rl in enumerate(route.limits) if not rl.limit.shadow),
-        shadowed=any(rl.limit.shadow for rl in route.limits),
-        shaping=any(rl.limit.max_delay for rl in route.limits),
-        classified=any(rl.limit.tiers is not None or rl.limit.allow is not None for rl in route.limits),
+        decision=DecisionPlan.of(route.limits, route.concurrency, label, metrics, local_divisor),
         identity=RouteIdentity.of([IdentityKey.of(rl.limit.key) for rl in route.limits], route.match.path),
-        fields=RateLimitFields.of(
-            [
-                (rl.limit, local_share(rl.limit, local_divisor, rl.cost))
-                if rl.limit.on_store_error is FailurePolicy.LOCAL
-                else (rl.limit, rl.limit)
-                for rl in route.limits
-            ],
-            local_divisor,
-            route.concurrency,
-        ),
         upstream_timeout=problem_body(
             504,
             "Gateway Timeout",
@@ -436,26 +289,5 @@ def _route_plan(
         pool=pool,
         total_timeout=timeout.total,
         retried=metrics.retries.labels(route=label) if isinstance(route.upstream, UpstreamPool) else UNCOUNTED,
-        concurrency=tuple(_concurrency_plan(limit, label, metrics) for limit in route.concurrency),
         concurrency_identity=RouteIdentity.of([IdentityKey.of(limit.key) for limit in route.concurrency], route.match.path),
-    )
-
-
-def _concurrency_plan(limit: ConcurrencyLimit, label: str, metrics: Metrics) -> ConcurrencyPlan:
-    return ConcurrencyPlan(
-        limit=limit,
-        decisions=Children(metrics.decisions, ("decision",), route=label, limit=limit.name).export(
-            *((outcome,) for outcome in concurrency_outcomes(limit))
-        ),
-        in_flight=metrics.concurrency_in_flight.labels(limit=limit.name),
-        decision_skipped=metrics.decision_concurrency_skipped.labels(route=label, limit=limit.name),
-        limited=Problem.of(
-            429,
-            "Too Many Requests",
-            f"Concurrency limit {limit.name!r} reached: {limit.concurrency} requests already in flight; "
-            f"retry in {retry_after_seconds(CONCURRENCY_RETRY_AFTER)} s.",
-            kind=QUOTA_EXCEEDED,
-            **{VIOLATED_POLICIES: [limit.name]},
-        ),
-        fields={"RateLimit": f'"{limit.name}";r=0', "Retry-After": str(retry_after_seconds(CONCURRENCY_RETRY_AFTER))},
     )

@@ -1,0 +1,172 @@
+"""What a route's limits compile to, once, for the decision core: each rate limit with its
+cost, metric children and refusal, each concurrency limit with its refusal, the RateLimit
+fields, and the problem bodies of refusals that name several limits or a failed store.
+`gateway.proxy.route_plan` builds one per route; a reload builds new ones. Trusts the
+config, which `gateway.config.loader` has validated."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.config.model import ConcurrencyLimit, FailurePolicy, Limit, RouteLimit
+from gateway.decision.problems import (
+    PROBLEM_CONTENT_TYPE_HEADER,
+    QUOTA_EXCEEDED,
+    REDUCED_CAPACITY,
+    VIOLATED_POLICIES,
+    ProblemTemplate,
+    problem_body,
+)
+from gateway.limiter.decision import local_share
+from gateway.limiter.outcomes import concurrency_outcomes, rate_limit_outcomes
+from gateway.metrics import Children, Metrics
+from gateway.ratelimit_headers import RateLimitFields, retry_after_seconds
+
+# Seconds a client refused by a concurrency limit is told to wait. Room comes back when
+# any of its requests ends, which nobody can foresee; a lease's TTL would be far too long.
+CONCURRENCY_RETRY_AFTER = 1.0
+_TITLES = {429: "Too Many Requests", 503: "Service Unavailable"}
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """What a request over one limit is answered with: its status, and its body split where
+    the seconds to wait go (the limit's `response.body`, else problem+json naming the limit)."""
+
+    status: int
+    chunks: tuple[bytes, ...]
+    content_type: str  # the one fixed field, written after the varying ones
+
+    @classmethod
+    def of(cls, limit: Limit) -> Rejection:
+        status = limit.response.status
+        if limit.response.body is not None:
+            return cls(status, limit.response.body.chunks(limit.name), limit.response.content_type)
+        template = rejection_template(status, (limit.name,))
+        return cls(status, (template.head, template.tail), PROBLEM_CONTENT_TYPE_HEADER)
+
+
+@dataclass(frozen=True, slots=True)
+class LimitPlan:
+    limit: Limit
+    cost: int
+    decisions: Children  # gateway_limiter_decisions_total for this route and limit, by decision
+    rejection: Rejection  # the answer when this limit denies
+    classified: bool  # the limit has tiers or an allowlist (gateway.identity.tiers)
+
+
+@dataclass(frozen=True, slots=True)
+class ConcurrencyPlan:
+    limit: ConcurrencyLimit
+    decisions: Children  # gateway_limiter_decisions_total for this route and limit, by decision
+    in_flight: Any  # the gateway_concurrency_in_flight child of this limit
+    # gateway_decision_concurrency_skipped_total for this route and limit: bound here, so
+    # that it reads 0 until the decision listener skips one.
+    decision_skipped: Any
+    limited: bytes  # the 429's problem body
+    fields: dict[str, str]  # its RateLimit (none left, no window known) and Retry-After
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionPlan:
+    """A route's limits, compiled for deciding."""
+
+    limits: tuple[LimitPlan, ...]
+    enforced: tuple[int, ...]  # the indices in `limits` of those that are not shadow limits
+    shadowed: bool  # some of the limits are shadow limits, which never reject
+    shaping: bool  # some of the limits may delay a request (mode: delay) rather than reject it
+    classified: bool  # some of the limits have tiers or an allowlist (gateway.identity.tiers)
+    fields: RateLimitFields  # the rate-limit fields of every answer
+    concurrency: tuple[ConcurrencyPlan, ...]  # taken after `limits` allow, in order
+    # (status, limit names, the store failed) -> problem body; one per status and subset of `limits` at most
+    _rejections: dict[tuple[int, tuple[str, ...], bool | None], ProblemTemplate] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(
+        cls, limits: Sequence[RouteLimit], concurrency: Sequence[ConcurrencyLimit], label: str, metrics: Metrics, local_divisor: int
+    ) -> DecisionPlan:
+        return cls(
+            limits=tuple(
+                LimitPlan(
+                    limit=rl.limit,
+                    cost=rl.cost,
+                    decisions=Children(metrics.decisions, ("decision",), route=label, limit=rl.limit.name).export(
+                        *((outcome,) for outcome in rate_limit_outcomes(rl.limit))
+                    ),
+                    rejection=Rejection.of(rl.limit),
+                    classified=rl.limit.tiers is not None or rl.limit.allow is not None,
+                )
+                for rl in limits
+            ),
+            enforced=tuple(i for i, rl in enumerate(limits) if not rl.limit.shadow),
+            shadowed=any(rl.limit.shadow for rl in limits),
+            shaping=any(rl.limit.max_delay for rl in limits),
+            classified=any(rl.limit.tiers is not None or rl.limit.allow is not None for rl in limits),
+            fields=RateLimitFields.of(
+                [
+                    (rl.limit, local_share(rl.limit, local_divisor, rl.cost))
+                    if rl.limit.on_store_error is FailurePolicy.LOCAL
+                    else (rl.limit, rl.limit)
+                    for rl in limits
+                ],
+                local_divisor,
+                concurrency,
+            ),
+            concurrency=tuple(_concurrency_plan(limit, label, metrics) for limit in concurrency),
+        )
+
+    def rejection(self, status: int, names: tuple[str, ...]) -> ProblemTemplate:
+        """The problem body of a request over `names` (its blank: the seconds to wait), a 429 or a 503."""
+        template = self._rejections.get((status, names, False))
+        if template is None:
+            template = self._rejections[(status, names, False)] = rejection_template(status, names)
+        return template
+
+    def store_unavailable(self, names: tuple[str, ...]) -> ProblemTemplate:
+        """The 503 body when the fail-closed limits `names` could not be checked."""
+        return self._store_problem(names, True, "The rate-limit store is unavailable and this limit fails closed.")
+
+    def store_full(self, names: tuple[str, ...]) -> ProblemTemplate:
+        """The 503 body when the in-process store had no room for the buckets of `names`."""
+        return self._store_problem(names, None, "The gateway's in-process store is full and cannot track another client now.")
+
+    def _store_problem(self, names: tuple[str, ...], kind: bool | None, detail: str) -> ProblemTemplate:
+        template = self._rejections.get((503, names, kind))
+        if template is None:
+            template = self._rejections[(503, names, kind)] = ProblemTemplate.of(
+                503, _TITLES[503], detail, kind=REDUCED_CAPACITY, **{VIOLATED_POLICIES: names}
+            )
+        return template
+
+
+def rejection_template(status: int, names: tuple[str, ...]) -> ProblemTemplate:
+    listed = ", ".join(repr(name) for name in names)
+    return ProblemTemplate.of(
+        status,
+        _TITLES[status],
+        f"Rate limit {listed} exceeded; retry in {{}} s.",
+        kind=QUOTA_EXCEEDED,
+        **{VIOLATED_POLICIES: names},
+    )
+
+
+def _concurrency_plan(limit: ConcurrencyLimit, label: str, metrics: Metrics) -> ConcurrencyPlan:
+    return ConcurrencyPlan(
+        limit=limit,
+        decisions=Children(metrics.decisions, ("decision",), route=label, limit=limit.name).export(
+            *((outcome,) for outcome in concurrency_outcomes(limit))
+        ),
+        in_flight=metrics.concurrency_in_flight.labels(limit=limit.name),
+        decision_skipped=metrics.decision_concurrency_skipped.labels(route=label, limit=limit.name),
+        limited=problem_body(
+            429,
+            "Too Many Requests",
+            f"Concurrency limit {limit.name!r} reached: {limit.concurrency} requests already in flight; "
+            f"retry in {retry_after_seconds(CONCURRENCY_RETRY_AFTER)} s.",
+            kind=QUOTA_EXCEEDED,
+            **{VIOLATED_POLICIES: [limit.name]},
+        ),
+        fields={"RateLimit": f'"{limit.name}";r=0', "Retry-After": str(retry_after_seconds(CONCURRENCY_RETRY_AFTER))},
+    )
