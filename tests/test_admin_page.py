@@ -26,6 +26,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from gateway.metrics import LIMITER_BUCKETS
 from gateway.testing import config_from_yaml, running_gateway
 from tests.processes import GatewayProcess, eventually, free_port
 from tests.upstream import running_upstream
@@ -367,6 +368,12 @@ async def test_stats_has_the_routes_limits_and_counter_totals(upstream, client):
         {"route": "/api", "limit": "per_key", "decision": "fail_open", "total": 0},  # exported from the start
     ]
     assert stats["breaker"] == {"closed": 1, "open": 0, "half_open": 0}
+    # One decision timed for each request of /api; the cumulative counts end at that count.
+    latency = stats["limiter_latency"]
+    assert latency["count"] == 3 and latency["sum"] > 0
+    assert [bound for bound, _ in latency["buckets"]] == list(LIMITER_BUCKETS)
+    counts = [count for _, count in latency["buckets"]]
+    assert counts == sorted(counts) and counts[-1] <= 3
     assert stats["reload"] == {"failures": 0, "last_success": None}
     assert stats["in_flight"] == 0 and stats["shed"] == 0
 
@@ -406,6 +413,8 @@ async def test_stats_sums_every_workers_counters(upstream, redis_server):
                 decisions = {row["decision"]: row["total"] for row in stats["decisions"]}
                 assert decisions == {"allow": 2, "deny": 6, "fail_open": 0}
                 assert stats["breaker"] == {"closed": 2, "open": 0, "half_open": 0}
+                assert stats["limiter_latency"]["count"] == 8
+                assert [bound for bound, _ in stats["limiter_latency"]["buckets"]] == list(LIMITER_BUCKETS)
 
             async def both_workers_see_the_target_healthy() -> bool:
                 async with client.get(gw.admin_url + "/stats") as response:
