@@ -165,6 +165,12 @@ async def test_the_charts_draw_the_counts_of_a_known_load_the_breaker_and_a_rest
                 "const s = history.samples; return s[s.length - 1].latency.count - s[0].latency.count;"
             )
             assert decided == allowed + limited
+            # The quantiles are interpolated within a bucket, as Prometheus's histogram_quantile does.
+            change = {"count": 10, "sum": 0.015, "buckets": [[0.001, 5], [0.002, 9], [0.005, 10]]}
+            picked = await browser.run(
+                "return [quantile(0.5), quantile(0.9), quantile(0.99), mean].map((pick) => pick(arguments[0]));", change
+            )
+            assert [round(ms, 9) for ms in picked] == [1.0, 2.0, 4.7, 1.5]
             assert set(chart(charts, chart="breaker")["states"]) == {"closed"}
 
             # The store goes away: the breaker opens, and the strip shows it; then it comes back.
