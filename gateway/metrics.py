@@ -96,6 +96,11 @@ class HistogramValue:
         self.sum = 0.0
         self.created = time.time()
 
+    @property
+    def bounds(self) -> tuple[float, ...]:
+        """Each bucket's upper bound, +Inf last."""
+        return self._bounds
+
     def observe(self, amount: float) -> None:
         # The first bound at or above `amount`, as prometheus_client files it; the last is +Inf.
         self.counts[bisect_left(self._bounds, amount)] += 1

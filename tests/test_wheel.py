@@ -27,7 +27,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "lua" / "token_bucket.lua"
 PAGE = ROOT / "gateway" / "admin" / "page"
-PAGE_FILES = ("index.html", "admin.js", "admin.css")
+PAGE_FILES = ("index.html", "admin.js", "charts.js", "admin.css")
 
 PROBE = """
 import importlib.resources, json, sys
@@ -35,7 +35,7 @@ import gateway
 from gateway.redis.scripts import load_script
 from gateway.admin.page import page_file
 print(json.dumps({
-    "page": {name: page_file(name).decode("utf-8") for name in ("index.html", "admin.js", "admin.css")},
+    "page": {name: page_file(name).decode("utf-8") for name in ("index.html", "admin.js", "charts.js", "admin.css")},
     "gateway": gateway.__file__,
     "resource": importlib.resources.files("gateway.lua").joinpath("token_bucket.lua").read_text(encoding="utf-8"),
     "loaded": load_script(),

@@ -28,7 +28,7 @@ The admin API (JSON; errors as problem+json):
   counts the workers that see it healthy), for the page, which computes rates from the
   change between polls (stats.py).
 
-The page (`/`, with `/admin.js` and `/admin.css`, from page/) holds no data: it is
+The page (`/`, with `/admin.js`, `/charts.js` and `/admin.css`, from page/) holds no data: it is
 served without the token, and its script asks for the token and sends it on every
 fetch of the data paths above, which still answer 401 without it.
 """

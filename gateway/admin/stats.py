@@ -12,6 +12,7 @@ its caller: app.py mounts it behind the Host check and the bearer token.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +24,7 @@ from gateway import __version__
 from gateway.config.model import GatewayConfig, Route
 from gateway.config.pool_model import UpstreamPool
 from gateway.config.redaction import redacted_url
-from gateway.metrics import CounterValue, GaugeValue, Metrics, PlainMetric
+from gateway.metrics import CounterValue, GaugeValue, HistogramValue, Metrics, PlainMetric
 
 # A metric's series: each one's labels and value.
 Series = list[tuple[dict[str, str], float]]
@@ -40,13 +41,32 @@ class Totals:
     def of(self, metric: PlainMetric | MetricWrapperBase | CounterValue | GaugeValue) -> Series:
         if isinstance(metric, (CounterValue, GaugeValue)):  # an unlabelled plain metric: its one series
             return [({}, metric.value)]
+        return [series for family in self._families(metric) for series in _values(family)]
+
+    def histogram(self, metric: HistogramValue | MetricWrapperBase) -> dict[str, Any]:
+        """An unlabelled histogram's cumulative counts at its finite bounds, its count and its sum:
+        the page takes quantiles and means from their change between two polls."""
+        if isinstance(metric, HistogramValue):
+            cumulative = list(itertools.accumulate(metric.counts))
+            finite = [[bound, count] for bound, count in zip(metric.bounds[:-1], cumulative)]
+            return {"buckets": finite, "count": cumulative[-1], "sum": metric.sum}
+        families = self._families(metric)
+        samples = [sample for family in families for sample in family.samples]
+        buckets = [
+            [float(sample.labels["le"]), _number(sample.value)]
+            for sample in samples
+            if sample.name.endswith("_bucket") and sample.labels["le"] != "+Inf"
+        ]
+        count = sum(sample.value for sample in samples if sample.name.endswith("_count"))
+        total = sum(sample.value for sample in samples if sample.name.endswith("_sum"))
+        return {"buckets": buckets, "count": _number(count), "sum": total}
+
+    def _families(self, metric: PlainMetric | MetricWrapperBase) -> list[Metric]:
         if self._summed is None:
-            families: list[Metric] = list(metric.collect())
-        else:
-            assert isinstance(metric, MetricWrapperBase)  # several workers: every metric is prometheus_client's
-            found = self._summed.get(next(iter(metric.describe())).name)
-            families = [] if found is None else [found]
-        return [series for family in families for series in _values(family)]
+            return list(metric.collect())
+        assert isinstance(metric, MetricWrapperBase)  # several workers: every metric is prometheus_client's
+        found = self._summed.get(next(iter(metric.describe())).name)
+        return [] if found is None else [found]
 
 
 def _values(family: Metric) -> Iterator[tuple[dict[str, str], float]]:
@@ -111,6 +131,8 @@ def stats(config: GatewayConfig, metrics: Metrics) -> dict[str, Any]:
         # 503s for want of a target in rotation or of a free upstream connection.
         "unavailable": rows(metrics.upstream_unavailable, "route", "reason"),
         # Worker processes in each state: one, with one worker.
+        # The time to decide a request's limits, the store's round trips included.
+        "limiter_latency": totals.histogram(metrics.limiter_latency),
         "breaker": {found["state"]: _number(count) for found, count in totals.of(metrics.store_breaker)},
         "reload": {
             "failures": single(metrics.reload_failures),

@@ -17,6 +17,7 @@ from aiohttp import web
 PAGE_FILES = {
     "/": ("index.html", "text/html; charset=utf-8"),
     "/admin.js": ("admin.js", "text/javascript; charset=utf-8"),
+    "/charts.js": ("charts.js", "text/javascript; charset=utf-8"),
     "/admin.css": ("admin.css", "text/css; charset=utf-8"),
 }
 # No inline script or style and nothing from elsewhere: data the page shows can never run.

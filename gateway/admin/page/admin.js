@@ -1,6 +1,6 @@
-// The admin page: polls /stats, /readyz and /top-limited and shows them: status, routes,
-// upstream pool targets, limits and the top limited clients. Every value
-// from the gateway reaches the DOM as textContent, never as markup.
+// The admin page: polls /stats, /readyz and /top-limited and shows them: status, charts of
+// the last few minutes (charts.js), routes, upstream pool targets, limits and the top limited
+// clients. Every value from the gateway reaches the DOM as textContent, never as markup.
 "use strict";
 
 const POLL_MS = 1000;
@@ -13,7 +13,7 @@ const OTHER_DECISIONS = [
 
 const byId = (id) => document.getElementById(id);
 const needsToken = document.documentElement.dataset.auth === "bearer";
-let history = []; // [{time, totals: Map}] over the last RATE_WINDOW_S, oldest first
+const history = new History(HISTORY_S); // the charts' and the rates' polls, in this tab only
 let timer = null;
 let polling = false;
 
@@ -90,23 +90,69 @@ function totalsOf(stats) {
 }
 
 function remember(stats) {
-  history.push({ time: stats.time, totals: totalsOf(stats) });
-  while (history.length > 2 && history[1].time <= stats.time - RATE_WINDOW_S) history.shift();
+  history.add({ time: stats.time, totals: totalsOf(stats), latency: stats.limiter_latency, breaker: stats.breaker });
 }
 
-// Per second over the remembered window; null until two polls, or across a restart.
+// Per second over the last RATE_WINDOW_S (from the last poll at or before its start);
+// null until two polls, or across a restart.
 function rate(key) {
-  if (history.length < 2) return null;
-  const first = history[0];
-  const last = history[history.length - 1];
-  const seconds = last.time - first.time;
-  const change = (last.totals.get(key) || 0) - (first.totals.get(key) || 0);
+  const samples = history.samples;
+  if (samples.length < 2) return null;
+  const last = samples[samples.length - 1];
+  let first = samples.length - 2;
+  while (first > 0 && samples[first].time > last.time - RATE_WINDOW_S) first--;
+  const seconds = last.time - samples[first].time;
+  const change = (last.totals.get(key) || 0) - (samples[first].totals.get(key) || 0);
   if (seconds <= 0 || change < 0) return null;
   return change / seconds;
 }
 
 function total(key) {
-  return history.length ? history[history.length - 1].totals.get(key) || 0 : 0;
+  return history.samples.length ? history.samples[history.samples.length - 1].totals.get(key) || 0 : 0;
+}
+
+// The labels of the routes counted: those served now, then unmatched requests and routes a reload removed.
+function routeLabels(stats) {
+  const labels = stats.routes.map((r) => r.route);
+  for (const r of stats.requests) if (!labels.includes(r.route)) labels.push(r.route);
+  return labels;
+}
+
+function showCharts(stats) {
+  const span = history.span;
+  const counted = (key) => (sample) => sample.totals.get(key);
+  const limits = [];
+  for (const route of stats.routes) {
+    for (const { name } of route.limits) {
+      const key = "dec\u0000" + route.route + "\u0000" + name + "\u0000";
+      // Refused by a rate limit (deny) or by a concurrency limit (concurrency_limited): a limit has only one of them.
+      const limited = (s) => (s.totals.get(key + "deny") || 0) + (s.totals.get(key + "concurrency_limited") || 0);
+      const series = [
+        { name: "allowed", points: history.rates(counted(key + "allow")) },
+        { name: "limited", points: history.rates(limited) },
+      ];
+      limits.push(chartCard(name + " on " + route.route, lineChart(series, span, "/s", 1),
+        [["allowed", "allowed/s"], ["limited", "limited/s"]], { chart: "limit", route: route.route, limit: name }));
+    }
+  }
+  byId("charts-limits").replaceChildren(...limits);
+  const routes = routeLabels(stats).map((label) => {
+    const series = STATUS_CLASSES.map((c) => ({ name: c, points: history.rates(counted("req\u0000" + label + "\u0000" + c)) }));
+    const legend = STATUS_CLASSES.map((c) => [c, c + "/s"]);
+    return chartCard(label, lineChart(series, span, "/s", 1), legend, { chart: "route", route: label });
+  });
+  byId("charts-routes").replaceChildren(...routes);
+  const latency = [
+    { name: "p50", points: history.latency(quantile(0.5)) },
+    { name: "p99", points: history.latency(quantile(0.99)) },
+    { name: "mean", points: history.latency(mean) },
+  ];
+  byId("charts-store").replaceChildren(
+    chartCard("Limiter latency, store included", lineChart(latency, span, " ms", 1),
+      [["p50", "p50"], ["p99", "p99"], ["mean", "mean"]], { chart: "latency" }),
+    chartCard("Store circuit breaker", stateChart(history.samples, span),
+      BREAKER_STATES.map((state) => [state, state]), { chart: "breaker" }),
+  );
 }
 
 function showStatus(stats, ready) {
@@ -134,9 +180,7 @@ function showStatus(stats, ready) {
 }
 
 function showRoutes(stats) {
-  const labels = stats.routes.map((r) => r.route);
-  // Routes counted but not served now: unmatched requests, a route a reload removed.
-  for (const r of stats.requests) if (!labels.includes(r.route)) labels.push(r.route);
+  const labels = routeLabels(stats);
   const configured = new Map(stats.routes.map((r) => [r.route, r]));
   const rows = labels.map((label) => {
     const route = configured.get(label);
@@ -256,7 +300,7 @@ function showProblem(text) {
 
 function askForToken(refused) {
   sessionStorage.removeItem(TOKEN_KEY);
-  history = [];
+  history.clear();
   byId("data").hidden = true;
   byId("forget").hidden = true;
   byId("login").hidden = false;
@@ -277,6 +321,7 @@ async function poll() {
     if (needsToken && !token()) return; // forgotten while this poll was on its way
     remember(stats);
     showStatus(stats, ready);
+    showCharts(stats);
     showRoutes(stats);
     showTargets(stats);
     showLimits(stats);
