@@ -252,3 +252,25 @@ def test_the_lines_reach_a_terminal_that_is_not_utf_8(tmp_path: Path):
     lines = result.stderr.splitlines()
     assert len(lines) == 2, result.stderr
     assert "\x1b" not in result.stderr and "\\x1b" in lines[0]
+
+
+BAD_YAML = """\
+limits:
+  per_client: {rate: 100/minute, brust: 20, key: [header:X-API-Key, ip]}
+  reports: {rate: 10/fortnight, on_store_error: closed}
+routes:
+  - match: {path: /api}
+    upstream: http://10.0.0.7:9000
+    limits: [per_client]
+  - match: {path: /api/reports}
+    upstream: http://10.0.0.7:9000
+    limits: [report]
+"""
+
+
+def test_the_configuration_pages_transcript_is_what_its_file_gives():
+    page = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text(encoding="utf-8")
+    shown = page.partition("$ gateway check -c bad.yaml\n")[2].partition("```")[0].splitlines()
+    with pytest.raises(ConfigError) as info:
+        parse_config(BAD_YAML, source="bad.yaml", environ={})
+    assert shown == [f"gateway: {line}" for line in info.value.lines]
