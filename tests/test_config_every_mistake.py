@@ -143,6 +143,11 @@ def test_a_broken_store_is_not_also_a_missing_one():
     assert [line.partition(":")[0] for line in errors_of(text)] == ["store.url"]
 
 
+def test_settings_read_only_from_trusted_proxies_are_not_refused_for_broken_ones():
+    text = "trusted_proxies: [10.0.0.1/8]\nclient_ip: {depth: 2}\n" + ROUTE
+    assert [line.partition(": ")[0] for line in errors_of(text)] == ["trusted_proxies[0]"]
+
+
 def test_a_mapping_left_empty_by_an_unknown_key_is_not_also_told_it_is_empty():
     text = "routes:\n  - match: {path: /, headers: {X-V: {prefix: a}}}\n    upstream: http://127.0.0.1:9000\n"
     assert [line.partition(": ")[0] for line in errors_of(text)] == ["routes[0].match.headers.X-V.prefix"]

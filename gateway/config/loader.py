@@ -186,7 +186,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         r,
     )
     client_ip = ClientIpStrategy()
-    if "client_ip" in top:
+    if "client_ip" in top and "trusted_proxies" not in r.broken:  # it is read only from trusted proxies
         client_ip = r.attempt("client_ip", client_ip, _client_ip, top["client_ip"], trusted, r)
     jwt_config = r.attempt("jwt", None, _jwt, top["jwt"], r, environ) if top.get("jwt") is not None else None
     limits_doc = top.get("limits") or {}
@@ -205,7 +205,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
             limit = r.attempt(path, None, _limit, name, spec, path, response, trusted, r)
         if isinstance(name, str):  # a name of another type is refused, and no route can name it
             limits[name] = limit
-    every_limit_read = None not in limits.values() and "limits" not in r.broken
+    every_limit_read = not any(part == "limits" or part.startswith("limits.") for part in r.broken)
     leased = next((name for name, limit in limits.items() if isinstance(limit, Limit) and limit.lease), None)
     if leased is not None and store is None and "store" not in r.broken:
         r.note(
