@@ -95,7 +95,8 @@ class Gateway:
             config = load_config(self.config.source)
         except ConfigError as exc:
             self.metrics.reload_failures.inc()
-            log.error("config reload failed, the old config serves on: %s", exc)
+            # One log line however many mistakes the file has: each is one line already.
+            log.error("config reload failed, the old config serves on: %s", "; ".join(exc.lines))
             return False
         kept = [key for key, setting in RESTART_SETTINGS if setting(config) != setting(self.config)]
         self.handler.reload(config)

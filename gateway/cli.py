@@ -73,7 +73,10 @@ def _main(argv: list[str] | None) -> int:
     try:
         config = load_config(args.config)
     except ConfigError as exc:
-        return _fail(str(exc))
+        # One line per mistake in the file, each as an error of its own.
+        for line in exc.lines[:-1]:
+            _fail(line)
+        return _fail(exc.lines[-1])
     if args.command == "check":
         return _print(describe(config))
     logging.basicConfig(

@@ -303,7 +303,8 @@ class _SupervisorReload:
                 # which /metrics sums with the workers' (their own count stays 0).
                 self._failures = reload_failures_counter(CollectorRegistry())
             self._failures.inc()
-            log.error("config reload failed, the old config serves on: %s", exc)
+            # One log line however many mistakes the file has: each is one line already.
+            log.error("config reload failed, the old config serves on: %s", "; ".join(exc.lines))
             return
         for process in self._processes:
             if process.pid is not None and process.exitcode is None:

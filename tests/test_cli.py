@@ -241,7 +241,8 @@ def test_check_accepts_the_shipped_configs():
 CLI_ERRORS = {
     "malformed YAML": ("check", "routes: [\n", "malformed YAML: line 2"),
     "empty file": ("check", "", "the file is empty"),
-    "unknown nested key": ("run", "store: {url: 'redis://127.0.0.1:1/0', timout: 5ms}\nroutes: []\n", "store.timout: unknown key"),
+    "unknown nested key": ("run", "store: {url: 'redis://127.0.0.1:1/0', timout: 5ms}\nroutes: [{match: {path: /}, upstream: 'http://h:1'}]\n",
+        "store.timout: unknown key, did you mean `timeout`?"),
     "undefined limit": (
         "run",
         (

@@ -112,6 +112,20 @@ async def test_a_bad_config_on_sighup_keeps_the_old_one_logs_one_line_and_counts
             assert await metric(client, gw.admin_url, "gateway_config_last_reload_success_timestamp") == 0
 
 
+async def test_a_config_with_two_mistakes_on_sighup_logs_both_in_one_line(upstream):
+    bad = "routes: [{match: {path: /}, upstream: 'not a url'}, {match: {path: /b}, upstrem: 'http://h:1'}]\n"
+    with GatewayProcess(limited_yaml(upstream, burst=2)) as gw:
+        lines_before = len(gw.stderr_lines)
+        await reload_with(gw, bad, "config reload failed")
+        failed = [line for line in gw.stderr_lines[lines_before:] if str(gw.config_path) in line]
+        assert len(failed) == 1, failed
+        assert ": routes[0].upstream: " in failed[0] and "; " in failed[0], failed
+        assert failed[0].rstrip("\n").endswith(f"{gw.config_path}: routes[1].upstrem: unknown key, did you mean `upstream`? " + (
+            "(expected one of: match, upstream, limits, strip_prefix, preserve_host, allow_path_parameters, timeout, "
+            "max_body_size, request_headers, response_headers)"
+        )), failed
+
+
 async def refused_on_sighup(upstream: str, bad: str, logged: str) -> None:
     """A reload to `bad` fails with `logged` in the log and no traceback; the old config
     (burst 2, one token spent before the reload) serves on and the failure is counted."""

@@ -32,7 +32,7 @@ from gateway.config.model import (
     ResponseStyle,
     Tiers,
 )
-from gateway.config.reader import MAX_COUNT, _choice, _join, _Reader, _type_name
+from gateway.config.reader import MAX_COUNT, _choice, _join, _Reader, _suggestion, _type_name
 from gateway.config.units import Rate, parse_duration, parse_rate, parse_time_of_day
 
 # A concurrency lease outlives a gateway that died holding it by at most this. Leases of
@@ -173,7 +173,7 @@ def _max_delay(spec: Mapping[str, Any], path: str, r: _Reader) -> float:
     """`mode: delay` with `max_delay`: the longest wait; 0 for `mode: reject` (the default)."""
     mode = spec.get("mode", "reject")
     if mode not in ("reject", "delay"):
-        r.fail(f"{path}.mode", f"expected reject or delay, got {mode!r}")
+        r.fail(f"{path}.mode", f"expected reject or delay, got {mode!r}{_suggestion(mode, ('reject', 'delay'))}")
     if mode == "reject":
         if "max_delay" in spec:
             r.fail(f"{path}.max_delay", "only applies with mode: delay")
@@ -190,7 +190,7 @@ def _quota(doc: Any, path: str, r: _Reader) -> Quota:
     spec = r.mapping(doc, path, required=("limit", "per"), optional=("reset",))
     per = spec["per"]
     if per not in QUOTA_PERIODS:
-        r.fail(f"{path}.per", f"expected {', '.join(QUOTA_PERIODS)}, got {per!r}")
+        r.fail(f"{path}.per", f"expected {', '.join(QUOTA_PERIODS)}, got {per!r}{_suggestion(per, QUOTA_PERIODS)}")
     return Quota(
         limit=r.count(spec["limit"], f"{path}.limit"),
         per=per,
@@ -373,7 +373,7 @@ def _tier_members(file: str, path: str, limits: Mapping[str, Limit], r: _Reader)
         document = safe_yaml.load(text)
     except yaml.YAMLError as exc:
         r.fail(path, f"{file}: malformed YAML: {getattr(exc, 'problem', None) or str(exc).splitlines()[0]}")
-    inner = _Reader(f"{r.source}: {path}: {file}")
+    inner = r.within(f"{r.source}: {path}: {file}")
     spec = inner.mapping(document or {}, "", optional=tuple(limits))
     members: dict[str, str] = {}
     for tier, keys in spec.items():

@@ -9,10 +9,11 @@ both the user's. Names with a leading underscore are private to gateway.config.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import re
-from collections.abc import Callable, Mapping
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NoReturn, ParamSpec, TypeVar
 from urllib.parse import SplitResult, urlsplit
 
 import yaml
@@ -25,42 +26,104 @@ from gateway.config import safe_yaml
 MAX_COUNT = 10**15
 # `${VAR}`, `${VAR:-default}`, or `$$` for a literal dollar sign.
 _INTERPOLATION_RE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+# The mistakes one error reports: enough for every typo in a hand-written file, few enough
+# that the first ones stay on the screen when a wrong file (or a wrong indent) yields hundreds.
+MAX_REPORTED = 20
+# difflib's ratio a known key or value needs to be offered for a misspelling (difflib's own
+# default): `brust`/`burst` score 0.8, `opn`/`open` 0.86, `retry`/`retries` 0.67, while
+# `rate`/`mode` (0.25) or `port`/`url` (0.29) are no typo of each other.
+SUGGESTION_CUTOFF = 0.6
+
+_T = TypeVar("_T")
+_P = ParamSpec("_P")
 
 
 class ConfigError(Exception):
-    """An invalid config file; str() is the one line shown to the user. Characters that are
-    not printable (a key holding a newline, a value with a control character) are escaped
-    as Python writes them, so the message stays one line and writes nothing to a terminal."""
+    """An invalid config file; str() is its lines shown to the user, one per mistake (most
+    often one). Characters that are not printable (a key holding a newline, a value with a
+    control character) are escaped as Python writes them, so each mistake stays one line
+    and writes nothing to a terminal."""
 
-    def __init__(self, message: str) -> None:
-        if not message.isprintable():
-            message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
-        super().__init__(message)
+    def __init__(self, message: str, *more: str) -> None:
+        self.lines = tuple(_printable(line) for line in (message, *more))
+        super().__init__("\n".join(self.lines))
 
 
 class _Reader:
-    """Walks the parsed document, remembering the YAML path for error messages."""
+    """Walks the parsed document, remembering the YAML path for error messages.
 
-    def __init__(self, source: str) -> None:
+    A mistake that leaves the rest readable (an unknown key, one bad limit or route) is
+    noted in `errors` and reading goes on, so one run reports every mistake; `attempt`
+    marks the parts that are read on past a failure. `raise_errors` ends the run with them.
+    """
+
+    def __init__(self, source: str, errors: list[str] | None = None) -> None:
         self.source = source
+        self.errors: list[str] = [] if errors is None else errors
+        self.broken: set[str] = set()  # the `attempt`ed parts that failed, by the name given
+        # "SOURCE: PATH: " of each mapping with an unknown key: a failure of that mapping as a
+        # whole (`expected exactly one of ...`) follows from the unknown key and is not reported.
+        self._misspelt: set[str] = set()
+
+    def within(self, source: str) -> _Reader:
+        """A reader of another file (a tier key file, an rls_config file) whose mistakes are this one's."""
+        reader = _Reader(source, self.errors)
+        reader._misspelt = self._misspelt
+        return reader
 
     def fail(self, path: str, message: str) -> NoReturn:
+        raise ConfigError(self._line(path, message))
+
+    def note(self, path: str, message: str) -> None:
+        """A mistake that leaves the rest of the file readable: reported, and reading goes on."""
+        self.errors.append(_printable(self._line(path, message)))
+
+    def attempt(self, part: str, default: _T, parse: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        """parse(*args, **kwargs), or `default` after noting its error and `part` as broken,
+        so the parts after it are read too. Checks across parts skip a broken one: its
+        `default` stands for nothing the file says."""
+        try:
+            return parse(*args, **kwargs)
+        except ConfigError as exc:
+            self.errors.extend(line for line in exc.lines if not line.startswith(tuple(self._misspelt)))
+            self.broken.add(part)
+            return default
+
+    def raise_errors(self) -> None:
+        """One ConfigError with every mistake noted, at most MAX_REPORTED of them; nothing if none."""
+        if not self.errors:
+            return
+        shown = self.errors[:MAX_REPORTED]
+        if len(self.errors) > MAX_REPORTED:
+            shown.append(f"{self.source}: … and {len(self.errors) - MAX_REPORTED} more")
+        raise ConfigError(*shown)
+
+    def _line(self, path: str, message: str) -> str:
         where = f"{self.source}: {path}" if path else self.source
-        raise ConfigError(f"{where}: {message}")
+        return f"{where}: {message}"
 
     def mapping(
         self, value: Any, path: str, *, required: tuple[str, ...] = (), optional: tuple[str, ...] = ()
     ) -> Mapping[str, Any]:
+        """`value`'s known keys. Unknown keys are noted, with the known key each may misspell,
+        and left out. What then fails at this mapping's own path (`expected exactly one
+        of ...`) or at a misspelt key's absent spelling (`required key is missing`) follows
+        from the unknown key, and `attempt` does not report it."""
         if not isinstance(value, dict):
             self.fail(path, f"expected a mapping, got {_type_name(value)}")
-        for key in value:
-            if key not in required and key not in optional:
-                allowed = ", ".join(required + optional)
-                self.fail(_join(path, str(key)), f"unknown key (expected one of: {allowed})")
+        known = required + optional
+        unknown = [key for key in value if key not in known]
+        for key in unknown:
+            close = _closest(key, known) if isinstance(key, str) else None
+            self.note(_join(path, str(key)), f"unknown key{_did_you_mean(close)} (expected one of: {', '.join(known)})")
+            if close is not None and close not in value:
+                self._misspelt.add(self._line(_join(path, close), ""))
+        if unknown and path:  # a failure at the top level's own path is no consequence
+            self._misspelt.add(self._line(path, ""))
         for key in required:
             if key not in value:
                 self.fail(_join(path, key), "required key is missing")
-        return value
+        return {key: item for key, item in value.items() if key in known} if unknown else value
 
     def string(self, value: Any, path: str) -> str:
         if not isinstance(value, str) or not value:
@@ -114,7 +177,9 @@ def _interpolate(value: Any, path: str, environ: Mapping[str, str], reader: _Rea
             return environ[name]
         if default is not None:
             return default
-        reader.fail(path, f"environment variable {name} is not set and has no default (${{{name}:-default}})")
+        # Noted, so that one run names every unset variable; the caller stops after interpolating.
+        reader.note(path, f"environment variable {name} is not set and has no default (${{{name}:-default}})")
+        return ""
 
     result = _INTERPOLATION_RE.sub(substitute, value)
     if _INTERPOLATION_RE.fullmatch(value) and value != "$$":
@@ -134,7 +199,28 @@ def _choice(kind: type[enum.Enum], value: Any, path: str, r: _Reader) -> Any:
         return kind(value)
     except ValueError:
         *others, last = (member.value for member in kind)
-        r.fail(path, f"expected {', '.join(others)} or {last}, got {value!r}")
+        r.fail(path, f"expected {', '.join(others)} or {last}, got {value!r}{_suggestion(value, (*others, last))}")
+
+
+def _suggestion(value: Any, known: Iterable[Any]) -> str:
+    """`, did you mean `open`?` when `value` is a string close to one of `known`, else ""."""
+    return _did_you_mean(_closest(value, known)) if isinstance(value, str) else ""
+
+
+def _closest(word: str, known: Iterable[Any]) -> str | None:
+    """The one of `known` (its strings) that `word` most likely misspells, if any is close."""
+    matches = difflib.get_close_matches(word, [k for k in known if isinstance(k, str)], n=1, cutoff=SUGGESTION_CUTOFF)
+    return matches[0] if matches else None
+
+
+def _did_you_mean(close: str | None) -> str:
+    return f", did you mean `{close}`?" if close is not None else ""
+
+
+def _printable(line: str) -> str:
+    if line.isprintable():
+        return line
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
 
 
 def _split_url(url: str, path: str, r: _Reader, *, shown: str | None = None) -> SplitResult:

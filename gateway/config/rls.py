@@ -113,7 +113,8 @@ def rls_config(listen: Address, path: Any, r: _Reader, *, merge_domains: bool = 
     origin: dict[str, str] = {}
     for file in files:
         try:
-            _file(file, roots, origin, merge_domains)
+            # Each file read on its own: a mistake in one still lets the next be checked.
+            r.attempt(file, None, _file, file, roots, origin, merge_domains, r.within(file))
         except RecursionError:
             raise ConfigError(f"{file}: nested too deeply") from None
     domains = {
@@ -123,8 +124,8 @@ def rls_config(listen: Address, path: Any, r: _Reader, *, merge_domains: bool = 
     return RlsConfig(listen=listen, config_path=path, domains=domains)
 
 
-def _file(file: str, roots: dict[str, _Level], origin: dict[str, str], merge_domains: bool) -> None:
-    r = _Reader(file)
+def _file(file: str, roots: dict[str, _Level], origin: dict[str, str], merge_domains: bool, r: _Reader) -> None:
+    """`r`: a reader of `file` whose mistakes are the config's."""
     try:
         with open(file, encoding="utf-8") as handle:
             document = yaml.load(handle.read(), Loader=_Loader)

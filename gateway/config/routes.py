@@ -15,7 +15,7 @@ from typing import Any
 from gateway.config.http_names import FORWARDING, HOP_BY_HOP, HOST_RE, HTTP_TOKEN_RE
 from gateway.config.model import ConcurrencyLimit, HeaderRules, Limit, Match, PathForm, Route, RouteLimit, UpstreamTimeout, ValueMatch
 from gateway.config.pool_model import UpstreamPool
-from gateway.config.reader import _join, _Reader, _type_name
+from gateway.config.reader import _join, _Reader, _suggestion, _type_name
 from gateway.config.regex import Regex
 from gateway.config.units import parse_duration, parse_size
 from gateway.config.upstreams import _pool, _SharedTargets, _upstream_url
@@ -53,7 +53,7 @@ _HEADER_VALUE_RE = re.compile(r"[!-~](?:[ \t!-~]*[!-~])?|")
 
 
 def _route(
-    doc: Any, path: str, limits: Mapping[str, Limit | ConcurrencyLimit], targets: _SharedTargets, r: _Reader
+    doc: Any, path: str, limits: Mapping[str, Limit | ConcurrencyLimit | None], targets: _SharedTargets, r: _Reader
 ) -> Route:
     spec = r.mapping(
         doc,
@@ -80,10 +80,13 @@ def _route(
         r.fail(f"{path}.upstream", "expected a URL, or a pool as {targets: [URL, ...]}, got a list")
     else:
         upstream = _upstream_url(spec["upstream"], f"{path}.upstream", r)
-    listed = [
-        _route_limit(item, f"{path}.limits[{i}]", limits, r)
+    # Each entry read on its own, so every undefined name is reported; one that names a
+    # broken limit (None) was reported with that limit.
+    entries = (
+        r.attempt(f"{path}.limits[{i}]", None, _route_limit, item, f"{path}.limits[{i}]", limits, r)
         for i, item in enumerate(r.sequence(spec.get("limits", []), f"{path}.limits"))
-    ]
+    )
+    listed = [entry for entry in entries if entry is not None]
     route_limits = [entry for entry in listed if isinstance(entry, RouteLimit)]
     concurrency = tuple(entry for entry in listed if isinstance(entry, ConcurrencyLimit))
     names = [entry.name if isinstance(entry, ConcurrencyLimit) else entry.limit.name for entry in listed]
@@ -140,8 +143,9 @@ def _route(
 
 
 def _route_limit(
-    item: Any, path: str, limits: Mapping[str, Limit | ConcurrencyLimit], r: _Reader
-) -> RouteLimit | ConcurrencyLimit:
+    item: Any, path: str, limits: Mapping[str, Limit | ConcurrencyLimit | None], r: _Reader
+) -> RouteLimit | ConcurrencyLimit | None:
+    """The entry, or None when it names a limit that is defined but broken."""
     if isinstance(item, str):
         name, cost, name_path = item, 1, path
     elif not isinstance(item, dict):
@@ -152,8 +156,13 @@ def _route_limit(
         cost = r.integer(spec.get("cost", 1), f"{path}.cost", minimum=0)
     if name not in limits:
         defined = ", ".join(limits) or "none"
-        r.fail(name_path, f"no limit named {name!r} is defined under `limits` (defined: {defined})")
+        r.fail(
+            name_path,
+            f"no limit named {name!r} is defined under `limits` (defined: {defined}){_suggestion(name, limits)}",
+        )
     limit = limits[name]
+    if limit is None:
+        return None
     if isinstance(limit, ConcurrencyLimit):
         if cost != 1:
             r.fail(f"{path}.cost", f"limit {name!r} counts requests in flight, one each; a cost does not apply")

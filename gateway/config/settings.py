@@ -24,7 +24,7 @@ from gateway.config.model import (
     ListenTls,
     PathNormalization,
 )
-from gateway.config.reader import _choice, _Reader
+from gateway.config.reader import _choice, _Reader, _suggestion
 from gateway.config.units import Address, parse_address, parse_duration
 
 # YAML 1.1 reads a bare `off` as false, so both spell "no access log".
@@ -35,7 +35,7 @@ def _access_log(value: Any, r: _Reader) -> str | None:
     if value is False or value == "off":
         return None
     if value not in ACCESS_LOG_FORMATS:
-        r.fail("access_log", f"expected off, text or json, got {value!r}")
+        r.fail("access_log", f"expected off, text or json, got {value!r}{_suggestion(value, ('off', *ACCESS_LOG_FORMATS))}")
     return value
 
 
@@ -119,7 +119,7 @@ def _jwt(doc: Any, r: _Reader, environ: Mapping[str, str]) -> JwtConfig:
     try:
         on_invalid = JwtFailure(on_invalid_text)
     except ValueError:
-        r.fail("jwt.on_invalid", f"expected next or reject, got {on_invalid_text!r}")
+        r.fail("jwt.on_invalid", f"expected next or reject, got {on_invalid_text!r}{_suggestion(on_invalid_text, ('next', 'reject'))}")
     return JwtConfig(
         keys=keys,
         issuer=r.string(spec["issuer"], "jwt.issuer") if "issuer" in spec else None,
