@@ -3,7 +3,7 @@
 Installs what is missing, starts a private redis-server, an nginx upstream and
 every variant as real processes, measures throughput (wrk) and, in the same
 rounds, the decisions per second of the decision listener and of Envoy's
-rate-limit service, latency at a fixed rate (httperf and an open-loop client),
+rate-limit service beside their floors, latency at a fixed rate (httperf and an open-loop client),
 store checks per second and the gateway's RSS while 1 GiB streams each way,
 stops everything it started (also on Ctrl-C or SIGTERM), and prints a markdown
 report on stdout; progress goes to stderr.

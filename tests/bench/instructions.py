@@ -11,6 +11,11 @@ its counters are zeroed, exactly `--requests` keep-alive requests are sent, and 
 count is dumped, so start-up and import are left out. Every answer's status is checked
 ((a) and (b) all 200, (c) all 429); a run with other statuses stops the comparison.
 
+The ceiling (g) and the floor of a denial (h), this checkout's tests/bench probes, are
+counted the same way once a run, since they run no gateway code: (g) serves (a)'s
+requests, (h) (c)'s. Each source's (a) ÷ (g), (b) ÷ (a) and (c) ÷ (h) follow, as ratios
+of throughput would read were time proportional to instructions.
+
     .venv/bin/python -m tests.bench.instructions --against HEAD~3 [--against REV ...] [--requests 2000]
 """
 
@@ -47,6 +52,7 @@ CLIENT_COUNT = 10_000  # API keys of (b), as the throughput phase sends them
 STORE_TIMEOUT = "1s"
 START_SECONDS = 600  # a start under valgrind imports everything at that slowness
 WORKING_TREE = "working tree"
+PROBE_SOURCE = "probe"  # the results' source of (g) and (h), which this checkout's tests/bench runs
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,10 @@ class Case:
     key: str
     title: str
     status: str  # what every answer must be
+    flood: bool = False  # sent as the flooding client, as (c) is
+    # A module of tests/bench and its arguments, run in place of a gateway ("{upstream}" is
+    # the nginx upstream's URL): the same code for every commit, so counted once a run.
+    probe: tuple[str, ...] = ()
 
     def config(self, upstream_url: str, redis_url: str, port: int, admin_port: int) -> str:
         if self.key == "a":
@@ -70,8 +80,17 @@ class Case:
 CASES = (
     Case("a", "gateway, no limits", "200"),
     Case("b", "gateway, Redis limit, 10,000 clients, all allowed", "200"),
-    Case("c", "gateway, Redis limit, one client flooding (1/hour)", "429"),
+    Case("c", "gateway, Redis limit, one client flooding (1/hour)", "429", flood=True),
 )
+# The ceiling serves (a)'s requests and the floor of a denial (c)'s, as in the throughput phase.
+PROBES = (
+    Case("g", "the ceiling: aiohttp web.Server + httptools upstream client", "200",
+         probe=("tests.bench.ceiling", "--upstream", "{upstream}")),
+    Case("h", "the floor of a denial: aiohttp web.Server, fixed 429", "429", flood=True, probe=("tests.bench.denial_floor",)),
+)
+# The issue's ratios, each as throughput would give it were time proportional to instructions:
+# (numerator, denominator), read as the denominator's count ÷ the numerator's.
+RATIOS = (("a", "g"), ("b", "a"), ("c", "h"))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -125,11 +144,11 @@ def wait_listening(port: int, process: subprocess.Popen, log: Path) -> None:
     while time.monotonic() < deadline:
         if process.poll() is not None:
             lines = log.read_text(errors="replace").strip().splitlines()
-            raise BenchError(f"a gateway under valgrind exited {process.returncode}: {lines[-1] if lines else 'no output'}")
+            raise BenchError(f"a server under valgrind exited {process.returncode}: {lines[-1] if lines else 'no output'}")
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
             return
         time.sleep(0.2)  # polling a process we cannot be told about: it prints its port only to its log
-    raise BenchError(f"a gateway under valgrind did not listen within {START_SECONDS} s")
+    raise BenchError(f"a server under valgrind did not listen within {START_SECONDS} s")
 
 
 def instructions(dump: Path) -> int:
@@ -140,22 +159,28 @@ def instructions(dump: Path) -> int:
 
 
 def count(tag: str, source: Path, case: Case, env: dict[str, str], requests: int, work: Path) -> int:
-    """Instructions per request of the gateway in `source` serving `case`; `tag` names its files."""
-    port, admin_port = free_port(), free_port()
-    config = work / f"{tag}.yaml"
-    config.write_text(case.config(env["upstream"], env["redis"], port, admin_port))
+    """Instructions per request of the gateway in `source` serving `case`, or of `case`'s
+    probe (`source` then being this checkout); `tag` names its files."""
+    port = free_port()
+    if case.probe:
+        module, *probe_args = case.probe
+        program = ["-m", module, "--port", str(port), *(arg.format(**env) for arg in probe_args)]
+    else:
+        config = work / f"{tag}.yaml"
+        config.write_text(case.config(env["upstream"], env["redis"], port, free_port()))
+        program = ["-m", "gateway", "run", "-c", str(config)]
     out, log = work / f"{tag}.callgrind", work / f"{tag}.log"
-    command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-m", "gateway", "run", "-c", str(config)]
-    # The working directory holds no `gateway`: PYTHONPATH alone picks the checkout.
+    command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, *program]
+    # The working directory holds no `gateway` nor `tests`: PYTHONPATH alone picks the checkout.
     with open(log, "w") as log_file:
         process = subprocess.Popen(
             command, cwd=work, env={**os.environ, "PYTHONPATH": str(source)}, stdout=subprocess.DEVNULL, stderr=log_file
         )
     try:
         wait_listening(port, process, log)
-        asyncio.run(send(port, WARMUP_REQUESTS, case.key == "c"))
+        asyncio.run(send(port, WARMUP_REQUESTS, case.flood))
         subprocess.run(["callgrind_control", "--zero", str(process.pid)], check=True, capture_output=True)
-        statuses = asyncio.run(send(port, requests, case.key == "c"))
+        statuses = asyncio.run(send(port, requests, case.flood))
         subprocess.run(["callgrind_control", "--dump", str(process.pid)], check=True, capture_output=True)
     finally:
         process.terminate()
@@ -167,7 +192,8 @@ def count(tag: str, source: Path, case: Case, env: dict[str, str], requests: int
 
 
 def render(results: dict[tuple[str, str], int], sources: list[str], requests: int) -> str:
-    """A markdown table: each source's count, and the working tree's over each commit's."""
+    """Markdown tables: each source's count, and the working tree's over each commit's; the
+    probes' counts; and the issue's ratios for each source, against the probes."""
     tree, commits = sources[0], sources[1:]
     header = "| variant | " + " | ".join(sources) + " | " + " | ".join(f"{tree} ÷ {rev}" for rev in commits) + " |"
     lines = [
@@ -180,7 +206,22 @@ def render(results: dict[tuple[str, str], int], sources: list[str], requests: in
         counts = [results[case.key, source] for source in sources]
         ratios = [f"{counts[0] / n:.3f}" for n in counts[1:]]
         lines.append(f"| ({case.key}) {case.title} | " + " | ".join(f"{n:,}" for n in counts) + " | " + " | ".join(ratios) + " |")
+    lines += ["", "The ceiling and the floor, the same code for every commit, counted once:", "",
+              "| probe | instructions per request |", "|---|---:|"]
+    lines += [f"| ({probe.key}) {probe.title} | {results[probe.key, PROBE_SOURCE]:,} |" for probe in PROBES]
+    lines += ["", "Ratios as throughput, were time proportional to instructions (X ÷ Y is Y's count ÷ X's):", "",
+              "| ratio | " + " | ".join(sources) + " |", "|---|" + "---:|" * len(sources)]
+    for numerator, denominator in RATIOS:
+        values = [
+            _count_of(results, denominator, source) / _count_of(results, numerator, source) for source in sources
+        ]
+        lines.append(f"| ({numerator}) ÷ ({denominator}) | " + " | ".join(f"{value:.2f}" for value in values) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _count_of(results: dict[tuple[str, str], int], key: str, source: str) -> int:
+    """`key`'s count for `source`, or the probe's, which is the same for all."""
+    return results.get((key, source)) or results[key, PROBE_SOURCE]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
                     (case.key, name): pool.submit(count, f"{index}-{case.key}", source, case, env, args.requests, work)
                     for case in CASES for index, (name, source) in enumerate(sources.items())
                 }
+                for probe in PROBES:
+                    jobs[probe.key, PROBE_SOURCE] = pool.submit(
+                        count, f"probe-{probe.key}", REPO_ROOT, probe, env, args.requests, work
+                    )
                 results = {key: job.result() for key, job in jobs.items()}
     except BenchError as exc:
         print(f"bench: {exc}", file=sys.stderr)

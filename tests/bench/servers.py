@@ -1,7 +1,8 @@
 """The benchmark's other servers, each a real process that is always stopped:
 nginx as the upstream (`return 200 "ok"`, so the upstream is never the
 bottleneck), nginx as a rate-limiting proxy (`limit_req`), the naive proxy, the
-ceiling and denial-floor probes, and the aiohttp upstream of the streaming phase.
+ceiling and denial-floor probes, the floors of the two decision services, and
+the aiohttp upstream of the streaming phase.
 
 Each nginx gets a private prefix in a temp dir (config, pid, logs, temp
 paths), one worker, `daemon off`, and a free port on 127.0.0.1.
@@ -179,6 +180,16 @@ def ceiling_proxy(upstream_url: str, log_dir: Path) -> ListeningProcess:
 def denial_floor(log_dir: Path) -> ListeningProcess:
     """tests/bench/denial_floor.py as its own process: web.Server answering a fixed 429."""
     return python_server("tests.bench.denial_floor", [], what="denial floor", log_dir=log_dir)
+
+
+def decision_floor(log_dir: Path) -> ListeningProcess:
+    """tests/bench/decision_floor.py as its own process: web.Server answering a prebuilt 200 with RateLimit fields."""
+    return python_server("tests.bench.decision_floor", [], what="decision listener floor", log_dir=log_dir)
+
+
+def rls_floor(log_dir: Path) -> ListeningProcess:
+    """tests/bench/rls_floor.py as its own process: grpc.aio answering a prebuilt OK to every ShouldRateLimit."""
+    return python_server("tests.bench.rls_floor", [], what="RLS floor", log_dir=log_dir)
 
 
 def bulk_upstream(log_dir: Path) -> ListeningProcess:

@@ -4,7 +4,9 @@ Every proxy variant but the floor of a denial (h), which answers 429 itself,
 forwards `GET /` to the same nginx upstream. The two decision services, the
 decision listener asked as Traefik's forwardAuth asks (i) and Envoy's gRPC
 rate-limit service (j), forward nothing: each answer is a decision, on the same
-Redis and the same all-allowed limit as (b). The gateways run as users start
+Redis and the same all-allowed limit as (b). Each has its floor in the same rounds,
+asked the same questions: aiohttp's `web.Server` answering a prebuilt 200 for (i),
+grpc.aio answering a prebuilt OK for (j). The gateways run as users start
 them, `python -m gateway run -c FILE`, with the project's default store settings
 (a 10 ms store timeout included), so the numbers are the ones a user would see.
 """
@@ -21,7 +23,16 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.bench.servers import ceiling_proxy, denial_floor, naive_proxy, nginx_limit_req_proxy, started
+from tests.bench.servers import (
+    ListeningProcess,
+    ceiling_proxy,
+    decision_floor,
+    denial_floor,
+    naive_proxy,
+    nginx_limit_req_proxy,
+    rls_floor,
+    started,
+)
 from tests.processes import GatewayProcess, RedisServer, free_port
 
 # Rate and burst no client comes near in a run: every request is allowed, so what
@@ -93,8 +104,10 @@ class Variant:
     title: str
     start: Callable[[Environment], contextlib.AbstractContextManager[RunningVariant]]
     flood: bool = False  # sent as one client far over its limit (answered 429), not as 10,000 within theirs
-    # The decision service measured (TRAEFIK_DECISIONS, RLS_DECISIONS), or None for a proxy.
+    # The decision service measured (TRAEFIK_DECISIONS, RLS_DECISIONS), or None for a proxy;
+    # a floor of one is asked the same questions, and so has it too.
     decides: str | None = None
+    floor: str | None = None  # the key of the variant that is the least this one can cost
 
 
 def gateway_yaml(upstream_url: str, *, store_url: str | None = None, limit: str | None = None, extra: str = "") -> str:
@@ -146,6 +159,12 @@ def running_server(server: contextlib.AbstractContextManager) -> Iterator[Runnin
         yield RunningVariant(url=process.url)
 
 
+@contextlib.contextmanager
+def running_grpc_server(server: ListeningProcess) -> Iterator[RunningVariant]:
+    with server as process:
+        yield RunningVariant(url=f"127.0.0.1:{process.port}")  # a gRPC target, as (j)'s
+
+
 VARIANTS: tuple[Variant, ...] = (
     Variant("a", "gateway, no limits", lambda env: running_gateway(gateway_yaml(env.upstream_url))),
     Variant(
@@ -185,10 +204,20 @@ VARIANTS: tuple[Variant, ...] = (
     ),
     Variant(
         "i", "decision listener, Traefik forwardAuth at /decide/traefik, Redis limit, 10,000 clients, all allowed",
-        decision_listener, decides=TRAEFIK_DECISIONS,
+        decision_listener, decides=TRAEFIK_DECISIONS, floor="i-floor",
+    ),
+    # Asked (i)'s questions, so that (i) ÷ (i-floor) compares answers to the same request.
+    Variant(
+        "i-floor", "the floor of (i): aiohttp web.Server answering a prebuilt 200 with RateLimit fields (uvloop)",
+        lambda env: running_server(decision_floor(env.work_dir)), decides=TRAEFIK_DECISIONS,
     ),
     Variant(
         "j", "Envoy RLS, gRPC ShouldRateLimit, Redis, 10,000 descriptor values, all allowed",
-        rate_limit_service, decides=RLS_DECISIONS,
+        rate_limit_service, decides=RLS_DECISIONS, floor="j-floor",
+    ),
+    # Asked by (j)'s client, so that (j) ÷ (j-floor) compares answers to the same calls.
+    Variant(
+        "j-floor", "the floor of (j): grpc.aio answering a prebuilt OK to every ShouldRateLimit (uvloop)",
+        lambda env: running_grpc_server(rls_floor(env.work_dir)), decides=RLS_DECISIONS,
     ),
 )
