@@ -60,7 +60,6 @@ from gateway.upstream.health_checks import HealthChecks
 
 log = logging.getLogger(__name__)
 
-_NO_FIELDS: dict[str, str] = {}  # the rate-limit fields of a route without limits; never written to
 # nginx's status for a request whose client closed the connection before the answer:
 # logged and counted, never sent, and never a 5xx, which would page someone for a client's choice.
 CLIENT_CLOSED = 499
@@ -266,7 +265,7 @@ class ProxyHandler:
         finally:
             if shaping:
                 self._delayed -= 1
-        limit_headers = plan.fields.headers(decision.statuses) if plan.limits else _NO_FIELDS
+        limit_headers = plan.fields.headers(decision.statuses) if plan.limits else plan.fields.fixed
         if not decision.allowed:
             self._metrics.limiter_latency.observe(deciding)
             return rejection(plan, decision, limit_headers)
