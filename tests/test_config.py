@@ -96,7 +96,7 @@ def test_shipped_gateway_yaml_is_the_issue_example_plus_interpolation():
 
 
 def test_shipped_demo_yaml_parses():
-    config = load_config(str(REPO / "config" / "demo.yaml"))
+    config = load_config(str(REPO / "gateway" / "demo_config.yaml"))
     assert config.store is None
     assert [(limit.name, limit.rate.text, limit.burst) for limit in config.limits] == [("per_client", "10/minute", 5)]
 
