@@ -482,10 +482,12 @@ def gateway_fleet(config_text: str, count: int, **kwargs: Any) -> Iterator[list[
         yield gateways
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 30, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "gateway", *args], capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **(env or {})}, cwd=cwd,
     )
 
 

@@ -230,6 +230,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         listen_tls=listen_tls,
         listen_backlog=listen_backlog,
         admin_token=_admin_token(top.get("admin_token_env"), r, environ),
+        admin_token_env=top.get("admin_token_env"),
         admin_raw_identities=r.boolean(top.get("admin_raw_identities", False), "admin_raw_identities"),
         admin_hosts=_admin_hosts(top.get("admin_hosts", []), r),
         access_log=_access_log(top.get("access_log", False), r),
