@@ -58,7 +58,9 @@ def _main(argv: list[str] | None) -> int:
     check_parser = commands.add_parser("check", help="validate the config and print what it means")
     check_parser.add_argument("-c", "--config", required=True, help="the YAML config file")
     demo_parser = commands.add_parser("demo", help="run a demo upstream and the gateway in front of it")
-    demo_parser.add_argument("-c", "--config", default="config/demo.yaml", help="the gateway config (default: %(default)s)")
+    demo_parser.add_argument(
+        "-c", "--config", default=None, help="the gateway config (default: the demo config shipped in the package)"
+    )
     demo_parser.add_argument(
         "--upstream", default="127.0.0.1:9000", help="where the demo upstream listens (sets DEMO_UPSTREAM for the config)"
     )
@@ -67,6 +69,8 @@ def _main(argv: list[str] | None) -> int:
         # The demo configs name their upstream as ${DEMO_UPSTREAM}, so the route follows
         # the demo upstream wherever --upstream puts it.
         os.environ["DEMO_UPSTREAM"] = args.upstream
+        if args.config is None:
+            args.config = _demo_config()
 
     from gateway.config import ConfigError, load_config
 
@@ -94,6 +98,14 @@ def _main(argv: list[str] | None) -> int:
         return _start(config, args)
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _demo_config() -> str:
+    """The path of the demo config inside the installed package (gateway/demo_config.yaml),
+    so `gateway demo` runs from any directory; a reload reads it again from there."""
+    import importlib.resources
+
+    return str(importlib.resources.files("gateway").joinpath("demo_config.yaml"))
 
 
 def _fresh_metrics_dir() -> str:

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from gateway.config.model import GatewayConfig
 from gateway.config.units import Address, parse_address
-from gateway.server import StartupError, os_reason, run_event_loop, serve
+from gateway.server import StartupError, bound_address, os_reason, run_event_loop, serve
 
 
 def demo_upstream() -> web.Application:
@@ -33,7 +33,7 @@ async def _demo(config: GatewayConfig, address: Address) -> None:
             await web.TCPSite(runner, address.host, address.port).start()
         except OSError as exc:
             raise StartupError(f"cannot start the demo upstream on {address}: {os_reason(exc)}") from None
-        await serve(config)
+        await serve(config, demo_upstream=bound_address(runner))
     finally:
         await runner.cleanup()
 

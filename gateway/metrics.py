@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -107,6 +108,13 @@ class HistogramValue:
         self.sum += amount
 
 
+def _use_created() -> bool:
+    """Whether `_created` samples are exported: prometheus_client's own switch, which
+    PROMETHEUS_DISABLE_CREATED_SERIES sets at import and disable_created_metrics() turns
+    off, so the plain numbers drop them exactly when its Counters and Histograms do."""
+    return bool(prometheus_metrics._use_created)
+
+
 class PlainMetric(abc.ABC):
     """A metric family of plain values by label values, read by `collect` at scrape time.
     Binds children as prometheus_client's metrics do (`labels`, `remove`), so `Children`
@@ -154,7 +162,7 @@ class PlainCounter(PlainMetric):
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for key, counter in self._values.items():
-            family.add_metric(key, counter.value, created=counter.created)
+            family.add_metric(key, counter.value, created=counter.created if _use_created() else None)
         yield family
 
 
@@ -190,7 +198,8 @@ class PlainHistogram(PlainMetric):
                 cumulative += count
                 buckets.append((le, cumulative))
             family.add_metric(key, buckets, histogram.sum)
-            family.samples.append(Sample(self.name + "_created", dict(zip(self.labelnames, key)), histogram.created))
+            if _use_created():
+                family.samples.append(Sample(self.name + "_created", dict(zip(self.labelnames, key)), histogram.created))
         yield family
 
 

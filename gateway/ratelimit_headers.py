@@ -4,7 +4,8 @@ compiled per route at load time.
 `ietf` follows draft-ietf-httpapi-ratelimit-headers-12 (20 November 2026):
 `RateLimit-Policy` lists every ietf-style limit of the route,
 `"name";q=QUOTA;w=WINDOW, ...` (the draft allows a list), and each concurrency
-limit as `"name";q=N;qu="concurrent-requests"`; `RateLimit:
+limit as `"name";q=N;qu="concurrent-requests"` (also on a route with no ietf-style
+rate limit, where the policy is all that is sent); `RateLimit:
 "name";r=REMAINING;t=WINDOW` names the one closest to exhaustion, where `t` is
 the effective window: the seconds within which the client can use no more than
 the `r` left. `x-ratelimit` sends `X-RateLimit-Limit`, `X-RateLimit-Remaining`
@@ -78,6 +79,10 @@ class RateLimitFields:
     x: tuple[Advertised, ...]
     policy: str  # RateLimit-Policy while every ietf limit is decided as configured
     concurrency_policy: str  # the items of the route's concurrency limits, which end every RateLimit-Policy
+    # The fields of every response when no ietf-style rate limit is there to describe: a
+    # route whose limits are concurrency limits alone still advertises their policy, which
+    # depends on the config only. Shared by every response: never written to.
+    fixed: dict[str, str]
     # Some ietf limit has a local stand-in or tiers, whose policy may replace its own.
     varies: bool
     local_divisor: int  # store.local_divisor: the share a local stand-in of a tier applies
@@ -110,13 +115,14 @@ class RateLimitFields:
             x=x,
             policy=", ".join([*(a.policy for a in ietf), *filter(None, [concurrency_policy])]),
             concurrency_policy=concurrency_policy,
+            fixed={"RateLimit-Policy": concurrency_policy} if concurrency_policy and not ietf else {},
             varies=any(a.local is not a.limit or a.limit.tiers is not None for a in ietf),
             local_divisor=local_divisor,
         )
 
     def headers(self, statuses: Sequence[LimitStatus]) -> dict[str, str]:
         """The fields for a decision's `statuses` (one per limit of the route)."""
-        fields: dict[str, str] = {}
+        fields = dict(self.fixed)
         divisor = self.local_divisor
         chosen = _chosen(statuses, self.ietf, divisor)
         if chosen is not None:

@@ -58,11 +58,13 @@ async def serve(
     watch: bool = False,
     supervisor: int | None = None,
     resets: WorkerResets | None = None,
+    demo_upstream: str | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then drain in-flight requests within `shutdown_grace`.
     SIGHUP, or with `watch` a change to the config file, reloads the config.
     A worker given its `supervisor`'s pid stops in the same way once that process is gone;
-    `resets` is the log of bucket resets it shares with the other workers."""
+    `resets` is the log of bucket resets it shares with the other workers. `demo_upstream`:
+    the address `gateway demo`'s upstream listens on, which the start-up line names."""
     gateway = Gateway(config, multiprocess_metrics=workers > 1, resets=resets)
     try:
         await gateway.start()
@@ -88,15 +90,17 @@ async def serve(
             parser = request_parser()
             if parser != "llhttp":
                 log.warning("aiohttp parses requests in pure Python, not llhttp: install a compiled aiohttp wheel")
-            decisions = f", decisions http://{_bound(listeners.decision)}" if listeners.decision is not None else ""
+            others = f", decisions http://{bound_address(listeners.decision)}" if listeners.decision is not None else ""
+            if demo_upstream is not None:
+                others += f", demo upstream http://{demo_upstream}"
             log.info(
                 "gateway %s (pid %d) listening on %s://%s (admin http://%s)%s, store: %s, event loop: %s, parser: %s",
                 __version__,
                 os.getpid(),
                 "https" if gateway.tls_context else "http",
-                _bound(listeners.public),
-                _bound(listeners.admin),
-                decisions,
+                bound_address(listeners.public),
+                bound_address(listeners.admin),
+                others,
                 gateway.store.description,
                 _loop_name(loop),
                 parser,
@@ -148,7 +152,8 @@ def _file_state(path: str) -> tuple[int, int, int] | None:
     return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
-def _bound(runner: web.BaseRunner) -> str:
+def bound_address(runner: web.BaseRunner) -> str:
+    """The HOST:PORT `runner` listens on: for port 0, the port the kernel chose."""
     host, port = runner.addresses[0][:2]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

@@ -1,6 +1,6 @@
 """Config documents that several test modules check."""
 
-# The reference example, exactly as first written: config/gateway.yaml without the interpolation.
+# The reference example, exactly as first written: config/gateway.yaml's first limits and route began so.
 import itertools
 
 ISSUE_EXAMPLE = """\

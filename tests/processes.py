@@ -343,20 +343,25 @@ class GatewayProcess:
 
     def __init__(
         self,
-        config_text: str,
+        config_text: str | None,
         *,
         args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        cwd: Path | None = None,
         command: str = "run",
         module: str = "gateway",
         read_stdout: bool = True,
         read_stderr: bool = True,
     ) -> None:
-        # Kept past the with: the gateway reads it, and a reload test rewrites it.
-        handle = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="gateway-test-", delete=False)  # noqa: SIM115
-        with handle:
-            handle.write(on_free_ports(config_text))
-        self.config_path = Path(handle.name)
+        # Kept past the with: the gateway reads it, and a reload test rewrites it. None: no
+        # -c (`gateway demo` then runs the config shipped in the package).
+        self.config_path: Path | None = None
+        if config_text is not None:
+            handle = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="gateway-test-", delete=False)  # noqa: SIM115
+            with handle:
+                handle.write(on_free_ports(config_text))
+            self.config_path = Path(handle.name)
+        self._cwd = cwd
         self._args = args
         self._command = command  # "run", or "demo" for the quick start
         self._module = module
@@ -374,8 +379,8 @@ class GatewayProcess:
 
     def start(self) -> GatewayProcess:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", self._module, self._command, "-c", str(self.config_path), *self._args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self._env,
+            [sys.executable, "-m", self._module, self._command, *self._config_args(), *self._args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self._env, cwd=self._cwd,
         )
         self._start_reader(self.process.stderr, self.stderr_lines, True)
         if self._read_stdout:
@@ -384,6 +389,9 @@ class GatewayProcess:
             self.stop()
             raise AssertionError("gateway did not start:\n" + "".join(self.stderr_lines))
         return self
+
+    def _config_args(self) -> tuple[str, ...]:
+        return ("-c", str(self.config_path)) if self.config_path is not None else ()
 
     def read_stdout(self) -> None:
         """Start collecting stdout into `stdout_lines`."""
@@ -444,7 +452,8 @@ class GatewayProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-        self.config_path.unlink(missing_ok=True)
+        if self.config_path is not None:
+            self.config_path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -473,10 +482,12 @@ def gateway_fleet(config_text: str, count: int, **kwargs: Any) -> Iterator[list[
         yield gateways
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 30, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "gateway", *args], capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **(env or {})}, cwd=cwd,
     )
 
 

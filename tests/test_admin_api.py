@@ -10,6 +10,7 @@ import json
 import pytest
 
 from gateway.config import load_config
+from gateway.config.loader import parse_config
 from gateway.testing import config_from_yaml, running_gateway
 from tests.helpers import script_calls
 from tests.processes import RedisCluster, RedisServer, free_port
@@ -254,21 +255,31 @@ async def test_the_effective_config_has_every_secret_redacted(upstream, client):
     for secret in ("store-pass-61d0", "key-secret-88e1f2", SECRETS["JWT_SECRET"], ADMIN_TOKEN, "upstream-pass-9a04",
                    SECRETS["HDR_SECRET"]):
         assert secret not in text
-    assert shown["store"]["url"] == f"redis://gw:***@127.0.0.1:{redis_server.port}/0"
-    assert shown["store"]["key_secret"] == "***" and shown["admin_token"] == "***"
-    assert shown["jwt"]["keys"] == [{"algorithm": "HS256", "key": "***", "kid": None}]
-    assert shown["limits"][0] == {
-        "name": "per_sub", "rate": "10/second", "burst": 10, "key": ["jwt:sub", "ip"], "on_store_error": "open",
-        "shadow": False, "response": {"status": 429, "headers": "ietf", "body": None, "content_type": "text/plain; charset=utf-8"},
-        "lease": 0, "lease_lapse": 1.0,
-        "max_delay": 0.0, "quota": None,
-        "tiers": None, "allow": None,
+    # As the YAML spells it: the admin token and the JWT secret by the variables they came from.
+    document = shown["config"]
+    assert document["store"]["url"] == f"redis://gw:***@127.0.0.1:{redis_server.port}/0"
+    assert document["store"]["key_secret"] == "***" and document["admin_token_env"] == "ADMIN_TOKEN"
+    assert document["jwt"] == {"secret_env": "JWT_SECRET", "on_invalid": "next"}
+    assert document["limits"]["per_sub"] == {
+        "rate": "10/second", "burst": 10, "key": ["jwt:sub", "ip"], "on_store_error": "open", "shadow": False,
+        "mode": "reject", "response": {"status": 429, "headers": "ietf"},
     }
-    assert shown["routes"][0]["match"]["path"] == "/api"
-    assert shown["routes"][1]["upstream"] == upstream.replace("http://", "http://svc:***@")
+    # The body of its 429s is problem+json, which no key of the file says.
+    assert shown["effective"] == {"limits.per_sub.response.content_type": PROBLEM}
+    assert document["routes"][0]["match"]["path"] == "/api"
+    assert document["routes"][1]["upstream"] == upstream.replace("http://", "http://svc:***@")
     # A header a route writes is named, its value never shown.
-    assert shown["routes"][1]["request_headers"]["set"] == [["Authorization", "***"]]
-    assert shown["routes"][1]["request_headers"]["add"] == [["X-Tag", "***"]]
+    assert document["routes"][1]["request_headers"] == {"set": {"Authorization": "***"}, "add": {"X-Tag": "***"}}
+    assert sorted(shown["redacted"]) == [
+        "routes[1].request_headers.add.X-Tag", "routes[1].request_headers.set.Authorization", "routes[1].upstream",
+        "store.key_secret", "store.url",
+    ]
+    # Pasted into a file, the secrets put back, it is the config the gateway runs.
+    document["store"]["url"], document["store"]["key_secret"] = config.store.url, config.store.key_secret
+    document["routes"][1]["upstream"] = config.routes[1].upstream
+    document["routes"][1]["request_headers"] = {"set": {"Authorization": f"Bearer {SECRETS['HDR_SECRET']}"}, "add": {"X-Tag": SECRETS["HDR_SECRET"]}}
+    served = gw.gateway.config  # on free ports
+    assert parse_config(json.dumps(document), source=config.source, environ=SECRETS) == served
 
 
 @pytest.mark.parametrize(

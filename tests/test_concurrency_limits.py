@@ -137,6 +137,24 @@ async def test_a_concurrency_429_advertises_its_limit_in_concurrent_requests(red
         await writer.wait_closed()
 
 
+async def test_a_route_with_only_a_concurrency_limit_advertises_its_policy():
+    config = """
+listen: 127.0.0.1:0
+admin_listen: 127.0.0.1:0
+limits:
+  cc: {{concurrency: 3, key: [header:X-API-Key]}}
+routes:
+  - {{match: {{path: /}}, upstream: "{upstream}", limits: [cc]}}
+"""
+    upstream = CountingUpstream()
+    async with serving(upstream.handle) as upstream_url:
+        with GatewayProcess(config.format(upstream=upstream_url)) as gateway:
+            async with aiohttp.ClientSession() as http, http.get(gateway.url + "/fast", headers=KEY) as response:
+                assert response.status == 200
+                assert response.headers.getall("RateLimit-Policy") == ['"cc";q=3;qu="concurrent-requests"']
+                assert "RateLimit" not in response.headers  # no window, and room is not counted before the answer
+
+
 async def test_a_client_that_hangs_up_gives_its_lease_back(redis_server):
     async with gateway_on(redis_server.url) as (gateway, upstream, _, status):
         writer = await held_request(gateway, upstream)

@@ -87,16 +87,23 @@ def test_parsed_config_is_immutable():
     assert isinstance(config.routes[0].match.methods, frozenset)
 
 
-def test_shipped_gateway_yaml_is_the_issue_example_plus_interpolation():
-    config = load_config(str(REPO / "config" / "gateway.yaml"))
+def test_the_reference_configs_first_limits_and_route_are_the_issue_example(monkeypatch):
+    monkeypatch.chdir(REPO)  # its files are named relative to the clone's root
+    monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", "0123456789abcdef0123")
+    config = load_config("config/gateway.yaml")
     example = parse(ISSUE_EXAMPLE)
-    assert config.limits == example.limits
-    assert config.routes == example.routes
+    # The reference adds an allowlist to the first, and a shadow mode and a response to the second.
+    assert config.limits[0] == dataclasses.replace(example.limits[0], allow=config.limits[0].allow)
+    reports = dataclasses.replace(config.limits[1], shadow=False, response=example.limits[1].response)
+    assert reports == example.limits[1]
+    route, first = config.routes[0], example.routes[0]
+    assert (route.match, route.upstream, route.timeout) == (first.match, first.upstream, first.timeout)
+    assert [(rl.limit.name, rl.cost) for rl in route.limits] == [(rl.limit.name, rl.cost) for rl in first.limits]
     assert config.store is not None and config.store.local_divisor == 4
 
 
 def test_shipped_demo_yaml_parses():
-    config = load_config(str(REPO / "config" / "demo.yaml"))
+    config = load_config(str(REPO / "gateway" / "demo_config.yaml"))
     assert config.store is None
     assert [(limit.name, limit.rate.text, limit.burst) for limit in config.limits] == [("per_client", "10/minute", 5)]
 

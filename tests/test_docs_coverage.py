@@ -6,6 +6,7 @@ linked from the README, and every relative link in the README and docs/ leads to
 that exists (and a heading that exists, when it names one)."""
 
 import ast
+import collections
 import re
 from pathlib import Path
 
@@ -165,6 +166,15 @@ def test_every_metric_is_named_in_the_metrics_or_operations_page():
     named = _metric_names(_section(ADMIN_API, "Metrics and health (admin listener)", "##"))
     named |= _metric_names(OPERATIONS)
     assert sorted(_exported().keys() - named) == []
+
+
+def test_the_metrics_section_describes_each_metric_once():
+    # Two families are referred back to ("also counted in gateway_requests_total as 5xx");
+    # any other named twice is a list entry repeated, as a merge left one mid-sentence.
+    section = _section(ADMIN_API, "Metrics and health (admin listener)", "##")
+    named = collections.Counter(re.findall(r"`(gateway_[a-z_]+)(?:\{[^`]*\})?`", section))
+    referred_back = {"gateway_requests_total", "gateway_limiter_decisions_total"}
+    assert {name: count for name, count in named.items() if count > 1 and name not in referred_back} == {}
 
 
 def test_every_metric_the_docs_name_exists():

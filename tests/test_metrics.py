@@ -13,6 +13,7 @@ import os
 import re
 
 import aiohttp
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -173,3 +174,21 @@ async def test_with_workers_metrics_show_the_families_series_and_totals_of_one_p
     assert shared["gateway_upstream_latency_seconds"][2][
         ("gateway_upstream_latency_seconds_count", (("route", "/api"),))
     ] == 2
+
+
+@pytest.mark.parametrize("disabled", ["True", "false"])
+async def test_prometheus_disable_created_series_drops_the_created_series_of_the_gateways_counters(upstream, disabled):
+    # As prometheus_client reads it: "true", "1" or "t", in any case, turn them off.
+    text = "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\n" + COUNTED.replace("UPSTREAM", upstream)
+    with GatewayProcess(text, env={"PROMETHEUS_DISABLE_CREATED_SERIES": disabled}) as gw:
+        async with aiohttp.ClientSession() as client:
+            await exchange(client, gw.url)
+            async with client.get(gw.admin_url + "/metrics") as response:
+                exposition = await response.text()
+    created = [line for line in exposition.splitlines() if re.match(r"\w+_created[{ ]", line)]
+    assert "gateway_requests_total{" in exposition  # the request path's plain counters did count
+    if disabled == "True":
+        assert created == []
+    else:
+        names = {line.split("{")[0].split(" ")[0] for line in created}
+        assert {"gateway_requests_created", "gateway_limiter_decisions_created", "gateway_upstream_latency_seconds_created"} <= names

@@ -259,6 +259,20 @@ def test_a_routes_concurrency_limits_end_its_ratelimit_policy_in_concurrent_requ
     assert fields.concurrency_policy == '"conns";q=4;qu="concurrent-requests"'
 
 
+def test_a_route_whose_only_ietf_limits_are_concurrency_limits_still_sends_their_policy():
+    limits = limits_by_name()
+    conns = ConcurrencyLimit(name="conns", concurrency=4, lease_ttl=60.0, key=(), on_store_error=FailurePolicy.OPEN)
+    assert RateLimitFields.of([], concurrency=[conns]).fixed == {"RateLimit-Policy": '"conns";q=4;qu="concurrent-requests"'}
+    # Beside an x-ratelimit limit, the concurrency limit's policy is sent with that limit's fields.
+    tight = styled(limits["tight"], HeaderStyle.X_RATELIMIT)
+    headers = RateLimitFields.of([(tight, tight)], concurrency=[conns]).headers(
+        [LimitStatus(limit=tight, cost=1, remaining=2.0, outcome="allow")]
+    )
+    assert headers["RateLimit-Policy"] == '"conns";q=4;qu="concurrent-requests"'
+    assert headers["X-RateLimit-Remaining"] == "2"
+    assert RateLimitFields.of([(limits["tight"], limits["tight"])]).fixed == {}
+
+
 def test_x_ratelimit_fields_describe_the_limit_closest_to_exhaustion_with_reset_in_seconds():
     limits = limits_by_name()
     per_client = styled(limits["per_client"], HeaderStyle.X_RATELIMIT)

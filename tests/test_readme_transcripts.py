@@ -14,6 +14,7 @@ import contextlib
 import os
 import re
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -106,17 +107,21 @@ def compare(steps: list[Step], printed: list[list[str]]) -> None:
 
 @contextlib.contextmanager
 def demo(*, redis_url: str | None = None) -> Iterator[tuple[GatewayProcess, str]]:
-    """`python -m gateway demo` on free ports: on config/demo.yaml, or on config/demo-redis.yaml
-    pointed at `redis_url`. The demo configs take their listeners from GATEWAY_LISTEN and
-    GATEWAY_ADMIN_LISTEN, and `--upstream` moves the demo upstream. Yields the gateway and
-    the demo upstream's address."""
-    config = "demo-redis.yaml" if redis_url else "demo.yaml"
+    """`python -m gateway demo` on free ports: as the README runs it, without -c, from a
+    directory that is not the checkout (the demo config ships in the package), or on
+    config/demo-redis.yaml pointed at `redis_url`. The demo configs take their listeners
+    from GATEWAY_LISTEN and GATEWAY_ADMIN_LISTEN, and `--upstream` moves the demo upstream.
+    Yields the gateway and the demo upstream's address."""
     env = {"GATEWAY_LISTEN": "127.0.0.1:0", "GATEWAY_ADMIN_LISTEN": "127.0.0.1:0"}
+    text = None
     if redis_url:
         env["REDIS_URL"] = redis_url
+        text = (ROOT / "config" / "demo-redis.yaml").read_text(encoding="utf-8")
     upstream = f"127.0.0.1:{free_port()}"
-    text = (ROOT / "config" / config).read_text(encoding="utf-8")
-    with GatewayProcess(text, command="demo", args=("--upstream", upstream), env=env) as gateway:
+    with (
+        tempfile.TemporaryDirectory() as elsewhere,
+        GatewayProcess(text, command="demo", args=("--upstream", upstream), env=env, cwd=Path(elsewhere)) as gateway,
+    ):
         yield gateway, upstream
 
 
@@ -134,9 +139,13 @@ def test_the_readme_marks_the_transcripts_this_test_runs():
 def test_the_no_redis_quick_start_prints_what_the_readme_shows():
     assert ".venv/bin/gateway demo\n" in README  # the command this test stands in for
     steps = transcripts()["demo"]
-    with demo() as (gateway, _):
+    with demo() as (gateway, upstream):
         printed = run_steps(steps, {"8080": _port(gateway.url), "9090": _port(gateway.admin_url)})
     compare(steps, printed)
+    # The start-up line names the demo upstream beside the gateway's own listeners.
+    (startup,) = [line for line in gateway.stderr_lines if "listening on" in line]
+    assert f"(admin {gateway.admin_url}), demo upstream http://{upstream}, store: in-process" in startup
+    assert gateway.config_path is None
 
     # The comparison can fail: the same output against the README with one header edited,
     # and with a Date that is no date.

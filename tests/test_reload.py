@@ -80,7 +80,7 @@ async def test_sighup_reloads_a_changed_limit_and_the_process_keeps_serving(upst
             async with client.get(gw.admin_url + "/buckets/per_ip?source=ip&value=127.0.0.1") as response:
                 assert response.status == 404
             async with client.get(gw.admin_url + "/config") as response:
-                assert [limit["name"] for limit in (await response.json())["limits"]] == ["per_client"]
+                assert list((await response.json())["config"]["limits"]) == ["per_client"]
 
 
 async def test_a_reload_names_the_settings_that_wait_for_a_restart_by_their_yaml_keys(upstream):

@@ -589,7 +589,7 @@ async def test_the_admin_api_shows_a_pool_with_its_passwords_hidden(client):
             async with client.get(gateway.admin_url + "/stats") as response:
                 assert response.status == 200
                 stats = await response.json()
-    pool = shown["routes"][0]["upstream"]
+    pool = shown["config"]["routes"][0]["upstream"]
     assert [t["url"] for t in pool["targets"]] == [a.url.replace("http://", "http://svc:***@"), b.url]
     assert pool["balance"] == "round_robin" and pool["health"]["path"] == "/healthz"
     assert stats["routes"][0]["upstream"] == f"{a.url.replace('http://', 'http://svc:***@')}, {b.url}"

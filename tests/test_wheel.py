@@ -1,4 +1,4 @@
-"""Shipping: the Lua script and the admin page travel inside the wheel and are found with importlib.resources.
+"""Shipping: the Lua script, the admin page and the demo config travel inside the wheel and are found with importlib.resources.
 
 SLOW-ish (about 5-15 s) and needs PyPI or pip's cache: pip builds the wheel in
 an isolated environment that installs setuptools. The wheel is built from a
@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "lua" / "token_bucket.lua"
 PAGE = ROOT / "gateway" / "admin" / "page"
 PAGE_FILES = ("index.html", "admin.js", "charts.js", "admin.css")
+DEMO_CONFIG = ROOT / "gateway" / "demo_config.yaml"
 
 PROBE = """
 import importlib.resources, json, sys
@@ -38,6 +39,7 @@ print(json.dumps({
     "page": {name: page_file(name).decode("utf-8") for name in ("index.html", "admin.js", "charts.js", "admin.css")},
     "gateway": gateway.__file__,
     "resource": importlib.resources.files("gateway.lua").joinpath("token_bucket.lua").read_text(encoding="utf-8"),
+    "demo": importlib.resources.files("gateway").joinpath("demo_config.yaml").read_text(encoding="utf-8"),
     "loaded": load_script(),
     "path": sys.path,
 }))
@@ -71,6 +73,7 @@ def test_an_installed_wheel_ships_the_lua_script_and_the_admin_page_and_loads_th
         assert archive.read("gateway/lua/token_bucket.lua").decode("utf-8") == SCRIPT.read_text(encoding="utf-8")
         for name in PAGE_FILES:
             assert archive.read(f"gateway/admin/page/{name}") == (PAGE / name).read_bytes()
+        assert archive.read("gateway/demo_config.yaml") == DEMO_CONFIG.read_bytes()  # `gateway demo` from anywhere
     assert not any(name.startswith(("lua/", "tests/")) for name in names), "stray top-level packages in the wheel"
     # Every module of the source tree ships: a package left out of pyproject's list would
     # install a gateway that cannot start.
@@ -97,6 +100,7 @@ def test_an_installed_wheel_ships_the_lua_script_and_the_admin_page_and_loads_th
     assert probe["resource"] == SCRIPT.read_text(encoding="utf-8")
     assert probe["loaded"] == probe["resource"]
     assert probe["page"] == {name: (PAGE / name).read_text(encoding="utf-8") for name in PAGE_FILES}
+    assert probe["demo"] == DEMO_CONFIG.read_text(encoding="utf-8")
 
 
 

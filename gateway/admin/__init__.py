@@ -22,7 +22,8 @@ The admin API (JSON; errors as problem+json):
 - `GET /top-limited?n=N`: the clients this process denied most over the last one to
   two minutes (`gateway.limiter.top_limited`), hashed unless `admin_raw_identities`.
   These and the bucket routes are buckets.py.
-- `GET /config`: the effective config, every secret replaced by "***" (config_view.py).
+- `GET /config`: the config in force as the YAML spells it, defaults listed and every
+  secret replaced by "***" (config_view.py).
 - `GET /stats`: the routes and limits served now, the pool targets with their routes,
   and the gateway's counter totals (summed over the workers; a target's health gauge
   counts the workers that see it healthy), for the page, which computes rates from the

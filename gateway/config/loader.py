@@ -250,6 +250,7 @@ def _build(document: Any, r: _Reader, environ: Mapping[str, str]) -> GatewayConf
         jwt=jwt_config,
         listen_tls=listen_tls,
         listen_backlog=listen_backlog,
+        admin_token_env=top.get("admin_token_env"),
         concurrency_limits=tuple(limit for limit in limits.values() if isinstance(limit, ConcurrencyLimit)),
         client_ip=client_ip,
         rls=rls,

@@ -137,6 +137,9 @@ class JwtConfig:
     audience: str | None
     leeway: float  # seconds of clock skew allowed on exp, nbf and iat
     on_invalid: JwtFailure
+    # Where the keys were read from, as the YAML names it: ("secret_env", VARIABLE),
+    # ("public_key_file", PATH) or ("jwks_file", PATH); neither value is a secret.
+    keys_from: tuple[str, str] = ("", "")
 
 
 # Leased tokens a process has not spent lapse after this long. The fleet's under-admission
@@ -403,6 +406,7 @@ class GatewayConfig:
     decision_listen: Address | None = None
     # A bearer token /metrics and /readyz require, read from the environment at load; never shown.
     admin_token: str | None = field(default=None, repr=False)
+    admin_token_env: str | None = None  # the variable the token was read from (`admin_token_env`)
     # The admin API's top limited clients show identities as sent ("header:x-api-key=...")
     # instead of hashed. Off by default: they are often credentials.
     admin_raw_identities: bool = False
@@ -471,3 +475,4 @@ class RlsConfig:
     listen: Address
     config_path: str
     domains: Mapping[str, RlsDescriptor] = field(compare=False)  # domain -> its root (no rate limit)
+    merge_domains: bool = False  # `rls_merge_domains`: a domain may be split across files

@@ -121,7 +121,7 @@ def rls_config(listen: Address, path: Any, r: _Reader, *, merge_domains: bool = 
         domain: RlsDescriptor(rate_limit=None, children=level.children, wildcards=tuple(level.wildcards))
         for domain, level in roots.items()
     }
-    return RlsConfig(listen=listen, config_path=path, domains=domains)
+    return RlsConfig(listen=listen, config_path=path, domains=domains, merge_domains=merge_domains)
 
 
 def _file(file: str, roots: dict[str, _Level], origin: dict[str, str], merge_domains: bool, r: _Reader) -> None:

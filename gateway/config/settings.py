@@ -126,6 +126,7 @@ def _jwt(doc: Any, r: _Reader, environ: Mapping[str, str]) -> JwtConfig:
         audience=r.string(spec["audience"], "jwt.audience") if "audience" in spec else None,
         leeway=r.parsed(parse_duration, spec["leeway"], "jwt.leeway") if "leeway" in spec else 0.0,
         on_invalid=on_invalid,
+        keys_from=(given[0], value),
     )
 
 

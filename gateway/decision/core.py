@@ -25,7 +25,6 @@ from gateway.limiter.decision import UNLIMITED, Decision
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.store import LimitCheck
 
-_NO_FIELDS: dict[str, str] = {}  # the rate-limit fields of a route without limits; never written to
 _NO_CHECKS: tuple[LimitCheck, ...] = ()
 
 
@@ -73,7 +72,7 @@ class Decider:
         finally:
             if shaping:
                 self._delayed -= 1
-        fields = plan.fields.headers(decision.statuses) if plan.limits else _NO_FIELDS
+        fields = plan.fields.headers(decision.statuses) if plan.limits else plan.fields.fixed
         if not decision.allowed:
             self._latency.observe(deciding)
             return Verdict(fields, rate_refusal(plan, decision, fields), checks, decision)
