@@ -7,7 +7,6 @@ Envoy's OVER_LIMIT. Trusts the limiter's decision."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from gateway.decision.plan import DecisionPlan
 from gateway.decision.problems import PROBLEM_CONTENT_TYPE_HEADER
@@ -20,28 +19,42 @@ from gateway.ratelimit_headers import retry_after_seconds
 RETRY_AFTER_ONE = "1"  # the 503s' Retry-After, and a concurrency refusal's
 
 
-@dataclass(frozen=True, slots=True)
 class Refusal:
     """A refusal's answer: its status, body, and header fields, Content-Type and
-    Content-Length last, as a listener sends them (adding only its request id)."""
+    Content-Length last, as a listener sends them (adding only its request id).
+    `store_failed`: a 503, for a fail-closed limit the store could not check, or no room."""
 
-    status: int
-    body: bytes
-    headers: dict[str, str]
-    store_failed: bool  # a 503: a fail-closed limit the store could not check, or no room
+    # A plain class: a frozen dataclass sets each field through object.__setattr__, and
+    # one of these is made for every refusal.
+    __slots__ = ("body", "headers", "status", "store_failed")
+
+    def __init__(self, status: int, body: bytes, headers: dict[str, str], store_failed: bool) -> None:
+        self.status = status
+        self.body = body
+        self.headers = headers
+        self.store_failed = store_failed
 
 
-@dataclass(frozen=True, slots=True)
 class Verdict:
     """`refusal` None: allowed, with `fields`. `checks` and `decision` are what the limiter
     was asked and said, for the access log; `admission` the concurrency leases taken, which
-    the caller releases when the response has ended."""
+    the caller releases when the response has ended. Made for every decision: a plain class."""
 
-    fields: dict[str, str]
-    refusal: Refusal | None
-    checks: Sequence[LimitCheck]
-    decision: Decision
-    admission: Admission | None = None
+    __slots__ = ("admission", "checks", "decision", "fields", "refusal")
+
+    def __init__(
+        self,
+        fields: dict[str, str],
+        refusal: Refusal | None,
+        checks: Sequence[LimitCheck],
+        decision: Decision,
+        admission: Admission | None = None,
+    ) -> None:
+        self.fields = fields
+        self.refusal = refusal
+        self.checks = checks
+        self.decision = decision
+        self.admission = admission
 
 
 def rate_refusal(plan: DecisionPlan, decision: Decision, fields: dict[str, str]) -> Refusal:
@@ -63,7 +76,7 @@ def rate_refusal(plan: DecisionPlan, decision: Decision, fields: dict[str, str])
         names = tuple(statuses[i].limit.name for i in denied)
         body = plan.rejection(planned.status, names).body(retry_after)
     headers = {**fields, "Retry-After": retry_after, "Content-Type": planned.content_type, "Content-Length": str(len(body))}
-    return Refusal(planned.status, body, headers, store_failed=False)
+    return Refusal(planned.status, body, headers, False)
 
 
 def concurrency_refusal(plan: DecisionPlan, admission: Admission, fields: dict[str, str]) -> Refusal:

@@ -235,6 +235,9 @@ class ProxyHandler:
         self, request: web.BaseRequest, plan: RoutePlan, plans: Plans, path: NormalPath, record: AccessRecord
     ) -> web.StreamResponse:
         decision = plan.decision
+        if not decision.limits and not decision.concurrency:
+            # Nothing to decide: nothing asked, nothing timed.
+            return await self._proxy_for_client(request, plan, plans, path, decision.fields.fixed, record)
         try:
             identities, held = rate_identities(request, plan, plans.identity, record)
             leases = lease_identities(request, plan, plans.identity, record) if decision.concurrency else None
