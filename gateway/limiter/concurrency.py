@@ -149,18 +149,30 @@ class Concurrency:
     def lease_id(self) -> str:
         return f"{self._process}:{next(self._serial)}"
 
+    def prepare(self, limit: ConcurrencyLimit) -> Any:
+        """The store's arguments for a lease under `limit`, made when the plans are compiled."""
+        return self._store.prepare_lease(limit)
+
     async def acquire(
-        self, limits: Sequence[ConcurrencyLimit], identities: Sequence[str], *, store_failed: bool = False
+        self,
+        limits: Sequence[ConcurrencyLimit],
+        identities: Sequence[str],
+        *,
+        store_failed: bool = False,
+        prepared: Sequence[Any] | None = None,
     ) -> Admission:
         """A lease under each limit for the identity beside it, or none at all. `store_failed`:
-        the store failed this request already (its rate limits' check), so it is not asked."""
+        the store failed this request already (its rate limits' check), so it is not asked.
+        `prepared`: each limit's `prepare`, when the plans made them."""
         lease_id = self.lease_id()
         held: list[tuple[Store, LeaseCheck]] = []
         statuses: list[LeaseStatus] = []
         refused: LeaseStatus | None = None
+        if prepared is None:
+            prepared = (None,) * len(limits)
         try:
-            for limit, identity in zip(limits, identities, strict=True):
-                lease = LeaseCheck(limit=limit, identity=identity, lease=lease_id)
+            for limit, identity, args in zip(limits, identities, prepared, strict=True):
+                lease = LeaseCheck(limit=limit, identity=identity, lease=lease_id, prepared=args)
                 if store_failed:
                     status, holder = self._on_store_error(lease, FAILED_THIS_REQUEST)
                 else:
