@@ -21,7 +21,7 @@ from gateway.decision.problems import (
 )
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.outcomes import concurrency_outcomes, rate_limit_outcomes
-from gateway.limiter.store import Prepared
+from gateway.limiter.store import Prepared, PreparedLease
 from gateway.metrics import Children, Metrics
 from gateway.ratelimit_headers import RateLimitFields, retry_after_seconds
 
@@ -81,7 +81,7 @@ class ConcurrencyPlan:
     decision_skipped: Any
     limited: bytes  # the 429's problem body
     fields: dict[str, str]  # its RateLimit (none left, no window known) and Retry-After
-    prepared: Any  # what a lease under it carries (`LeaseCheck.prepared`)
+    prepared: PreparedLease  # what a lease under it carries (`LeaseCheck.prepared`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +96,7 @@ class DecisionPlan:
     fields: RateLimitFields  # the rate-limit fields of every answer
     concurrency: tuple[ConcurrencyPlan, ...]  # taken after `limits` allow, in order
     concurrency_limits: tuple[ConcurrencyLimit, ...]  # each of `concurrency`'s limit
-    concurrency_prepared: tuple[Any, ...]  # and what its lease carries
+    concurrency_prepared: tuple[PreparedLease, ...]  # and what its lease carries
     # (status, limit names, the store failed) -> problem body; one per status and subset of `limits` at most
     _rejections: dict[tuple[int, tuple[str, ...], bool | None], ProblemTemplate] = field(default_factory=dict, repr=False)
 

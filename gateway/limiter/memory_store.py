@@ -38,6 +38,7 @@ from gateway.limiter.store import (
     LeaseReading,
     LimitCheck,
     Prepared,
+    PreparedLease,
     StoreDecision,
 )
 
@@ -89,8 +90,9 @@ class MemoryStore:
         spec = bucket.spec_of(LimitCheck(limit=limit, identity="", cost=cost, max_delay=max_delay, owed=owed))
         return Prepared(limit=limit, cost=cost, max_delay=max_delay, owed=owed, args=spec)
 
-    def prepare_lease(self, limit: ConcurrencyLimit) -> None:
-        """Nothing: a lease here reads its limit as it is."""
+    def prepare_lease(self, limit: ConcurrencyLimit) -> PreparedLease:
+        """Nothing but the limit: a lease here reads it as it is."""
+        return PreparedLease(limit=limit, args=None)
 
     async def start(self) -> None:
         pass

@@ -120,9 +120,19 @@ class LeaseCheck:
     limit: ConcurrencyLimit
     identity: str  # "source=value", as the client presented it; hashed by the store
     lease: str  # unique per request across the fleet
-    # The store's own arguments for `limit`, made when the plans were compiled
-    # (`Store.prepare_lease`); None: derived for this call alone.
-    prepared: Any = None
+    # Made for `limit` when the plans were compiled; None, or one made for another limit
+    # (the stand-in's share): the store derives what it needs for this call alone.
+    prepared: PreparedLease | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedLease:
+    """What a store derives from a concurrency limit, made when the plans are compiled
+    (`Store.prepare_lease`), and the limit's share under `on_store_error: local`."""
+
+    limit: ConcurrencyLimit
+    args: Any  # the store's own: the lease script's ARGV after the lease id
+    local: ConcurrencyLimit | None = None  # this process's share, for the stand-in
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,8 +161,9 @@ class Store(Protocol):
         """What a check of `limit` at `cost`, `max_delay` and `owed` needs that depends on them
         alone, made once when the plans are compiled (without `local`: the limiter adds it)."""
 
-    def prepare_lease(self, limit: ConcurrencyLimit) -> Any:
-        """What a lease under `limit` needs that depends on it alone (`LeaseCheck.prepared`)."""
+    def prepare_lease(self, limit: ConcurrencyLimit) -> PreparedLease:
+        """What a lease under `limit` needs that depends on it alone (`LeaseCheck.prepared`;
+        without `local`: the limiter adds it)."""
 
     async def start(self) -> None:
         """Open connections. May raise StoreError; the gateway still starts and retries."""

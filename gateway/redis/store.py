@@ -47,6 +47,7 @@ from gateway.limiter.store import (
     LeaseReading,
     LimitCheck,
     Prepared,
+    PreparedLease,
     StoreDecision,
     StoreError,
 )
@@ -111,8 +112,8 @@ class RedisStore:
         args = script_args(LimitCheck(limit=limit, identity="", cost=cost, max_delay=max_delay, owed=owed))
         return Prepared(limit=limit, cost=cost, max_delay=max_delay, owed=owed, args=args)
 
-    def prepare_lease(self, limit: ConcurrencyLimit) -> tuple[bytes, bytes]:
-        return lease_args(limit)
+    def prepare_lease(self, limit: ConcurrencyLimit) -> PreparedLease:
+        return PreparedLease(limit=limit, args=lease_args(limit))
 
     async def start(self) -> None:
         await self._redis.connect()
@@ -139,7 +140,9 @@ class RedisStore:
 
     async def acquire(self, lease: LeaseCheck) -> LeaseDecision:
         key = await self._lease_key(lease)
-        args = (lease.lease.encode(), *(lease.prepared or lease_args(lease.limit)))
+        prepared = lease.prepared
+        limit_args = prepared.args if prepared is not None and prepared.limit is lease.limit else lease_args(lease.limit)
+        args = (lease.lease.encode(), *limit_args)
         reply = await self._scripts.concurrency.call(
             self._redis, key_slot(key), (key,), args, before_eval=self._fleet_secret.after_noscript
         )
