@@ -337,8 +337,10 @@ class RedisStore:
 
 def _args(checks: Sequence[LimitCheck]) -> Sequence[bytes]:
     """ARGV of one check: the kind of each limit (b: bucket, q: quota; in capitals when owed), then four values per limit."""
-    if len(checks) == 1:
-        return _script_args(checks[0])
+    if len(checks) == 1:  # most routes' one limit, without a call more
+        check = checks[0]
+        prepared = check.prepared
+        return prepared.args if prepared is not None and prepared.fits(check) else script_args(check)  # type: ignore[no-any-return]
     formatted = [_script_args(c) for c in checks]
     return [b"".join(argv[0] for argv in formatted), *(arg for argv in formatted for arg in argv[1:])]
 
