@@ -8,7 +8,9 @@ several tokens of one bucket at once (`lua/token_lease.lua`). All buckets of a
 request are one check of the script: one round trip, all-or-nothing. The
 checks of one event-loop iteration for one node (on a Cluster, one slot) go
 in one script call (`gateway.redis.check_batches`), over one pipelined
-connection per node (`gateway.redis.connection`). The admin API reads a bucket or an
+connection per node (`gateway.redis.connection`). A check's script arguments come with it,
+formatted when the plans were compiled (`prepare`); one without is formatted for itself,
+and nothing is kept by limit. The admin API reads a bucket or an
 identity's leases together with Redis's TIME in one EVAL, and resets a bucket
 by DEL and leases by an EVAL that counts the live ones as it deletes them, each
 on the master of the key's slot.
