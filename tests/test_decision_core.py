@@ -51,9 +51,9 @@ routes:
     )
     metrics = Metrics()
     route = config.routes[0]
-    plan = DecisionPlan.of(route.limits, route.concurrency, "r", metrics, config.local_divisor)
-    latency = Observed()
     limiter = Limiter(MemoryStore(clock=clock), clock=clock)
+    plan = DecisionPlan.of(route.limits, route.concurrency, "r", metrics, config.local_divisor, limiter)
+    latency = Observed()
     return plan, Decider(limiter, latency, Observed(), clock=clock), latency, metrics
 
 

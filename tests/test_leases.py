@@ -277,5 +277,16 @@ routes:
         assert {a.statuses[0].outcome for a in local} == {"fail_local"}
         local[0].release()
         assert (await concurrency.acquire([limits["local"]], ["ip=x"])).admitted
+        # As the plans compile it: the share is carried by the lease, and counts the same leases.
+        prepared = concurrency.prepare(limits["local"])
+        assert prepared.local is not None and prepared.local.concurrency == 2
+        assert concurrency.prepare(limits["open"]).local is None
+        carried = await concurrency.acquire([limits["local"]], ["ip=x"], prepared=[prepared])
+        assert not carried.admitted and carried.statuses[0].outcome == "fail_local"
+        local[1].release()
+        carried = await concurrency.acquire([limits["local"]], ["ip=x"], prepared=[prepared])
+        assert carried.admitted
+        carried.release()  # through the carried share: the room is back
+        assert (await concurrency.acquire([limits["local"]], ["ip=x"], prepared=[prepared])).admitted
     finally:
         await down.close()

@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import gc
 import re
 import subprocess
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import aiohttp
@@ -24,7 +26,6 @@ from redis.crc import key_slot
 
 from gateway.limiter.keys import identity_digest
 from gateway.limiter.store import LimitCheck
-from gateway.redis.store import ARGS_CACHE_ENTRIES
 from gateway.testing import config_from_yaml, running_gateway
 from tests.helpers import redis_store
 from tests.processes import RedisServer, eventually, free_port, wait_until
@@ -437,20 +438,48 @@ async def test_rediss_url_speaks_tls_and_verifies_the_server(tls_redis, tls_file
     assert len(bucket_keys(server.client())) == 1
 
 
-async def test_each_reloads_new_limits_are_charged_as_configured_and_old_ones_are_not_kept_forever(redis_server):
-    """A reload makes new limit objects, whose script arguments the store formats once each.
-    Through more limit objects than ARGS_CACHE_ENTRIES, each is charged at its own burst, and
-    the cache of formatted arguments starts over rather than keep every reload's limits alive."""
+async def test_each_reloads_new_limits_are_charged_as_configured_and_old_ones_are_not_kept(redis_server):
+    """A reload makes new limit objects, and the plans it compiles prepare their script
+    arguments anew: each is charged at its own burst, and the store keeps none of them once
+    no check refers to it (nothing is cached by limit)."""
     base = config_from_yaml(
         "limits:\n  per_client: {rate: 1/day, burst: 5, key: header:X-API-Key}\n"
         "routes:\n  - match: {path: /}\n    upstream: http://127.0.0.1:1\n    limits: [per_client]\n"
     ).limits[0]
     async with redis_store(redis_server.url) as store:
-        for reload in range(ARGS_CACHE_ENTRIES + 100):
+        gone = []
+        for reload in range(200):
             limit = dataclasses.replace(base, burst=1 + reload % 50)  # what a reload's loader makes
-            decision = await store.check([LimitCheck(limit=limit, identity=f"client-{reload}", cost=1)])
+            prepared = store.prepare(limit, 1)
+            decision = await store.check([LimitCheck(limit=limit, identity=f"client-{reload}", cost=1, prepared=prepared)])
             assert decision.allowed and decision.remaining == (limit.burst - 1,)
-        assert len(store._args_cache) <= ARGS_CACHE_ENTRIES
+            gone.append(weakref.ref(limit))
+            del limit, prepared
+        gc.collect()
+        assert not [ref for ref in gone if ref() is not None]
+
+
+async def test_a_check_whose_limit_was_replaced_is_charged_by_its_own_limit_not_the_prepared_one(redis_server):
+    """A check changed after it was built (a tier's limit, a read at cost 0) derives its own
+    arguments: what was prepared for another limit or cost is never sent for it."""
+    config = config_from_yaml(
+        "limits:\n  per_client: {rate: 1/day, burst: 5, key: header:X-API-Key}\n"
+        "routes:\n  - match: {path: /}\n    upstream: http://127.0.0.1:1\n    limits: [per_client]\n"
+    )
+    five = config.limits[0]
+    nine = dataclasses.replace(five, burst=9)
+    async with redis_store(redis_server.url) as store:
+        prepared = store.prepare(five, 1)
+        check = LimitCheck(limit=five, identity="a", cost=1, prepared=prepared)
+
+        async def left(check: LimitCheck) -> int:
+            (remaining,) = (await store.check([check])).remaining
+            return int(remaining)  # whole tokens: a second's refill at 5 a day adds a fraction
+
+        assert await left(check) == 4
+        assert await left(dataclasses.replace(check, limit=nine, identity="b")) == 8
+        assert await left(dataclasses.replace(check, cost=3)) == 1
+        assert await left(dataclasses.replace(check, cost=0)) == 1
 
 
 async def test_a_rediss_server_another_ca_signed_fails_per_policy_and_readyz_says_why(tls_redis, upstream, tmp_path):

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from gateway.config import load_config
 from gateway.testing import running_gateway
@@ -158,6 +159,26 @@ async def test_an_unchanged_limit_keeps_its_bucket_across_a_reload(upstream):
             await reload_with(gw, limited_yaml(upstream, burst=2, second_route=True), RELOADED)
             assert await status(client, gw.url + "/echo/other") == 200  # the new route serves
             assert await status(client, gw.url + "/echo") == 429  # the unchanged limit's bucket is still empty
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_a_limit_whose_rate_a_reload_changes_is_charged_at_the_new_rate(upstream, store, request):
+    """Its bucket is kept (same name), and the plans each reload compiles carry the new rate's
+    script arguments: empty at 1/hour, it is full again at once at a million a second, and its
+    RateLimit field counts from the new burst; back at 1/hour, it refills no more."""
+    extra = f"store: {{url: '{request.getfixturevalue('redis_server').url}'}}\n" if store == "redis" else ""
+    with GatewayProcess(limited_yaml(upstream, burst=2, extra=extra)) as gw:
+        async with aiohttp.ClientSession() as client:
+            assert [await status(client, gw.url + "/echo") for _ in range(3)] == [200, 200, 429]
+            faster = limited_yaml(upstream, burst=3, extra=extra).replace("1/hour", "1000000/second")
+            await reload_with(gw, faster, RELOADED)
+            # Refilled within the reload (3 tokens take 3 µs at the new rate): 2 left after this one.
+            async with client.get(gw.url + "/echo") as response:
+                assert response.status == 200
+                assert response.headers["RateLimit"].startswith('"per_ip";r=2;')
+            await reload_with(gw, limited_yaml(upstream, burst=3, extra=extra), RELOADED)
+            # Back at 1/hour: the 2 tokens left, refilled by nothing to speak of since.
+            assert [await status(client, gw.url + "/echo") for _ in range(3)] == [200, 200, 429]
 
 
 def reload_config(upstream: str, redis_url: str, *, denied_burst: int = 1, leased_burst: int = 100, extra_route: bool = False) -> str:

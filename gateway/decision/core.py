@@ -84,7 +84,7 @@ class Decider:
             return Verdict(fields, None, checks, decision)
         started = clock()
         admission = await self.limiter.concurrency.acquire(
-            [cp.limit for cp in plan.concurrency], lease_identities, store_failed=decision.store_unanswered
+            plan.concurrency_limits, lease_identities, store_failed=decision.store_unanswered, prepared=plan.concurrency_prepared
         )
         # One observation a request, its rate limits' check and its concurrency limits' admission
         # together: a concurrency-only route asks the store too.
@@ -103,16 +103,18 @@ class Decider:
             return _NO_CHECKS, UNLIMITED
         if shaping:
             checks = [
-                LimitCheck(limit=lp.limit, identity=who, cost=lp.cost, max_delay=lp.limit.max_delay)
+                LimitCheck(limit=lp.limit, identity=who, cost=lp.cost, max_delay=lp.limit.max_delay, prepared=lp.delayed)
                 for lp, who in zip(limits, identities)
             ]
         else:
-            checks = [LimitCheck(limit=lp.limit, identity=who, cost=lp.cost) for lp, who in zip(limits, identities)]
+            checks = [
+                LimitCheck(limit=lp.limit, identity=who, cost=lp.cost, prepared=lp.prepared) for lp, who in zip(limits, identities)
+            ]
         asked: Sequence[LimitCheck] = checks
         if held is not None:
             asked = [
-                c if limit is c.limit else dataclasses.replace(c, limit=limit)
-                for c, limit in zip(checks, held)
+                c if limit is c.limit else dataclasses.replace(c, limit=limit, prepared=lp.prepared_for(limit, shaping))
+                for lp, c, limit in zip(limits, checks, held)
                 if limit is not None
             ]
         if plan.shadowed:

@@ -6,11 +6,11 @@ config, which `gateway.config.loader` has validated."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.config.model import ConcurrencyLimit, FailurePolicy, Limit, RouteLimit
+from gateway.config.model import ConcurrencyLimit, Limit, RouteLimit
 from gateway.decision.problems import (
     PROBLEM_CONTENT_TYPE_HEADER,
     QUOTA_EXCEEDED,
@@ -19,8 +19,9 @@ from gateway.decision.problems import (
     ProblemTemplate,
     problem_body,
 )
-from gateway.limiter.decision import local_share
+from gateway.limiter.limiter import Limiter
 from gateway.limiter.outcomes import concurrency_outcomes, rate_limit_outcomes
+from gateway.limiter.store import Prepared, PreparedLease
 from gateway.metrics import Children, Metrics
 from gateway.ratelimit_headers import RateLimitFields, retry_after_seconds
 
@@ -55,6 +56,19 @@ class LimitPlan:
     decisions: Children  # gateway_limiter_decisions_total for this route and limit, by decision
     rejection: Rejection  # the answer when this limit denies
     classified: bool  # the limit has tiers or an allowlist (gateway.identity.tiers)
+    # What the request's check carries (`LimitCheck.prepared`): checked now or rejected, and
+    # with the limit's max_delay, for a request the caller can hold (the same when it has none).
+    prepared: Prepared
+    delayed: Prepared
+    # The same for each of its tiers' limits, by name.
+    tiers: Mapping[str, tuple[Prepared, Prepared]]
+
+    def prepared_for(self, limit: Limit, delayed: bool) -> Prepared:
+        """What a check of `limit`, this limit or one of its tiers', carries."""
+        if limit is self.limit:
+            return self.delayed if delayed else self.prepared
+        now, later = self.tiers[limit.name]
+        return later if delayed else now
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +81,7 @@ class ConcurrencyPlan:
     decision_skipped: Any
     limited: bytes  # the 429's problem body
     fields: dict[str, str]  # its RateLimit (none left, no window known) and Retry-After
+    prepared: PreparedLease  # what a lease under it carries (`LeaseCheck.prepared`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,41 +95,38 @@ class DecisionPlan:
     classified: bool  # some of the limits have tiers or an allowlist (gateway.identity.tiers)
     fields: RateLimitFields  # the rate-limit fields of every answer
     concurrency: tuple[ConcurrencyPlan, ...]  # taken after `limits` allow, in order
+    concurrency_limits: tuple[ConcurrencyLimit, ...]  # each of `concurrency`'s limit
+    concurrency_prepared: tuple[PreparedLease, ...]  # and what its lease carries
     # (status, limit names, the store failed) -> problem body; one per status and subset of `limits` at most
     _rejections: dict[tuple[int, tuple[str, ...], bool | None], ProblemTemplate] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(
-        cls, limits: Sequence[RouteLimit], concurrency: Sequence[ConcurrencyLimit], label: str, metrics: Metrics, local_divisor: int
+        cls,
+        limits: Sequence[RouteLimit],
+        concurrency: Sequence[ConcurrencyLimit],
+        label: str,
+        metrics: Metrics,
+        local_divisor: int,
+        limiter: Limiter,
     ) -> DecisionPlan:
+        """`limiter` prepares each limit's checks (`Limiter.prepare`), with its local share."""
+        planned = tuple(_limit_plan(rl.limit, rl.cost, label, metrics, limiter) for rl in limits)
+        leases = tuple(_concurrency_plan(limit, label, metrics, limiter) for limit in concurrency)
         return cls(
-            limits=tuple(
-                LimitPlan(
-                    limit=rl.limit,
-                    cost=rl.cost,
-                    decisions=Children(metrics.decisions, ("decision",), route=label, limit=rl.limit.name).export(
-                        *((outcome,) for outcome in rate_limit_outcomes(rl.limit))
-                    ),
-                    rejection=Rejection.of(rl.limit),
-                    classified=rl.limit.tiers is not None or rl.limit.allow is not None,
-                )
-                for rl in limits
-            ),
+            limits=planned,
             enforced=tuple(i for i, rl in enumerate(limits) if not rl.limit.shadow),
             shadowed=any(rl.limit.shadow for rl in limits),
             shaping=any(rl.limit.max_delay for rl in limits),
             classified=any(rl.limit.tiers is not None or rl.limit.allow is not None for rl in limits),
             fields=RateLimitFields.of(
-                [
-                    (rl.limit, local_share(rl.limit, local_divisor, rl.cost))
-                    if rl.limit.on_store_error is FailurePolicy.LOCAL
-                    else (rl.limit, rl.limit)
-                    for rl in limits
-                ],
+                [(lp.limit, lp.prepared.local.limit if lp.prepared.local else lp.limit) for lp in planned],
                 local_divisor,
                 concurrency,
             ),
-            concurrency=tuple(_concurrency_plan(limit, label, metrics) for limit in concurrency),
+            concurrency=leases,
+            concurrency_limits=tuple(cp.limit for cp in leases),
+            concurrency_prepared=tuple(cp.prepared for cp in leases),
         )
 
     def rejection(self, status: int, names: tuple[str, ...]) -> ProblemTemplate:
@@ -152,9 +164,31 @@ def rejection_template(status: int, names: tuple[str, ...]) -> ProblemTemplate:
     )
 
 
-def _concurrency_plan(limit: ConcurrencyLimit, label: str, metrics: Metrics) -> ConcurrencyPlan:
+def _limit_plan(limit: Limit, cost: int, label: str, metrics: Metrics, limiter: Limiter) -> LimitPlan:
+    def prepared(applied: Limit) -> tuple[Prepared, Prepared]:
+        now = limiter.prepare(applied, cost)
+        # A tier's limit is held to the max_delay of the limit it is a tier of, as the core checks it.
+        return now, limiter.prepare(applied, cost, max_delay=limit.max_delay) if limit.max_delay else now
+
+    now, delayed = prepared(limit)
+    return LimitPlan(
+        limit=limit,
+        cost=cost,
+        decisions=Children(metrics.decisions, ("decision",), route=label, limit=limit.name).export(
+            *((outcome,) for outcome in rate_limit_outcomes(limit))
+        ),
+        rejection=Rejection.of(limit),
+        classified=limit.tiers is not None or limit.allow is not None,
+        prepared=now,
+        delayed=delayed,
+        tiers={} if limit.tiers is None else {tier.name: prepared(tier) for tier in limit.tiers.limits.values()},
+    )
+
+
+def _concurrency_plan(limit: ConcurrencyLimit, label: str, metrics: Metrics, limiter: Limiter) -> ConcurrencyPlan:
     return ConcurrencyPlan(
         limit=limit,
+        prepared=limiter.concurrency.prepare(limit),
         decisions=Children(metrics.decisions, ("decision",), route=label, limit=limit.name).export(
             *((outcome,) for outcome in concurrency_outcomes(limit))
         ),

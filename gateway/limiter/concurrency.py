@@ -47,7 +47,7 @@ from gateway.limiter.outcomes import (
     NO_ROOM,
     SKIPPED,
 )
-from gateway.limiter.store import LeaseCheck, LeaseReading, Store, StoreError, StoreNotConnected
+from gateway.limiter.store import LeaseCheck, LeaseReading, PreparedLease, Store, StoreError, StoreNotConnected
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,6 @@ class Concurrency:
         self._store = store
         self._local_store = local_store if local_store is not None else MemoryStore(clock=clock)
         self._local_divisor = local_divisor
-        self._local_limits: dict[str, tuple[ConcurrencyLimit, ConcurrencyLimit]] = {}  # name -> (limit, its share)
         self._breaker = breaker
         self._on_release_failed = on_release_failed
         # Unique across the fleet: 64 random bits per process, then a count.
@@ -149,18 +148,34 @@ class Concurrency:
     def lease_id(self) -> str:
         return f"{self._process}:{next(self._serial)}"
 
+    def prepare(self, limit: ConcurrencyLimit) -> PreparedLease:
+        """What a lease under `limit` carries, made when the plans are compiled: the store's
+        arguments and, under `on_store_error: local`, this instance's share of the limit."""
+        prepared = self._store.prepare_lease(limit)
+        if limit.on_store_error is not FailurePolicy.LOCAL:
+            return prepared
+        return dataclasses.replace(prepared, local=local_share(limit, self._local_divisor))
+
     async def acquire(
-        self, limits: Sequence[ConcurrencyLimit], identities: Sequence[str], *, store_failed: bool = False
+        self,
+        limits: Sequence[ConcurrencyLimit],
+        identities: Sequence[str],
+        *,
+        store_failed: bool = False,
+        prepared: Sequence[PreparedLease | None] | None = None,
     ) -> Admission:
         """A lease under each limit for the identity beside it, or none at all. `store_failed`:
-        the store failed this request already (its rate limits' check), so it is not asked."""
+        the store failed this request already (its rate limits' check), so it is not asked.
+        `prepared`: each limit's `prepare`, when the plans made them."""
         lease_id = self.lease_id()
         held: list[tuple[Store, LeaseCheck]] = []
         statuses: list[LeaseStatus] = []
         refused: LeaseStatus | None = None
+        if prepared is None:
+            prepared = (None,) * len(limits)
         try:
-            for limit, identity in zip(limits, identities, strict=True):
-                lease = LeaseCheck(limit=limit, identity=identity, lease=lease_id)
+            for limit, identity, args in zip(limits, identities, prepared, strict=True):
+                lease = LeaseCheck(limit=limit, identity=identity, lease=lease_id, prepared=args)
                 if store_failed:
                     status, holder = self._on_store_error(lease, FAILED_THIS_REQUEST)
                 else:
@@ -227,7 +242,7 @@ class Concurrency:
         outcome = FAILURE_OUTCOME[limit.on_store_error]
         if limit.on_store_error is not FailurePolicy.LOCAL:
             return LeaseStatus(limit, outcome), None
-        local = dataclasses.replace(lease, limit=self._local_limit(limit))
+        local = self._local_lease(lease)
         try:
             answer = self._local_store.acquire_now(local)
         except StoreFull as exc:
@@ -242,13 +257,13 @@ class Concurrency:
             self._last_failure_log = now
             log.warning("%s", line)
 
-    def _local_limit(self, limit: ConcurrencyLimit) -> ConcurrencyLimit:
-        """This instance's share of the fleet's concurrency, at least 1."""
-        cached = self._local_limits.get(limit.name)
-        if cached is None or cached[0] is not limit:  # a reload may have replaced the limit
-            local = dataclasses.replace(limit, concurrency=max(1, limit.concurrency // self._local_divisor))
-            self._local_limits[limit.name] = cached = (limit, local)
-        return cached[1]
+    def _local_lease(self, lease: LeaseCheck) -> LeaseCheck:
+        """`lease` as the stand-in holds it: under the limit's share, as the plans compiled it;
+        a lease made without them has its share worked out here."""
+        prepared = lease.prepared
+        if prepared is not None and prepared.local is not None and prepared.limit is lease.limit:
+            return dataclasses.replace(lease, limit=prepared.local)
+        return dataclasses.replace(lease, limit=local_share(lease.limit, self._local_divisor))
 
     async def read(self, limit: ConcurrencyLimit, identity: str) -> LeaseReading:
         """The identity's live leases under `limit`, as the store holds them. Raises StoreError."""
@@ -280,7 +295,7 @@ class Concurrency:
     def _as_held(self, store: Store, lease: LeaseCheck) -> LeaseCheck:
         """The lease as `store` holds it: the local stand-in holds it under the divided limit."""
         if store is self._local_store:
-            return dataclasses.replace(lease, limit=self._local_limit(lease.limit))
+            return self._local_lease(lease)
         return lease
 
     async def _release(self, store: Store, lease: LeaseCheck) -> None:
@@ -344,3 +359,8 @@ class Concurrency:
         task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def local_share(limit: ConcurrencyLimit, divisor: int) -> ConcurrencyLimit:
+    """This instance's share of the fleet's concurrency under `on_store_error: local`, at least 1."""
+    return dataclasses.replace(limit, concurrency=max(1, limit.concurrency // divisor))

@@ -70,6 +70,7 @@ from gateway.limiter.outcomes import (
 from gateway.limiter.store import (
     BucketReading,
     LimitCheck,
+    Prepared,
     SharedStore,
     Store,
     StoreDecision,
@@ -134,7 +135,6 @@ class Limiter:
         self._waves = ClientWaves(seats=lambda checks, waited: check_seats(checks, waited, clock()))
         self._local_divisor = local_divisor
         self._local_store = local_store(clock=clock)
-        self._local_limits: dict[tuple[str, int], tuple[Limit, Limit]] = {}  # (name, cost) -> (limit, its share)
         self._last_failure_log = -FAILURE_LOG_INTERVAL
         self._last_refund_log = -FAILURE_LOG_INTERVAL
         self._refunds: set[asyncio.Future[None]] = set()  # the event loop holds tasks only weakly
@@ -149,6 +149,17 @@ class Limiter:
             local_store=local_store(clock=clock),
             clock=clock,
         )
+
+    def prepare(self, limit: Limit, cost: int, *, max_delay: float = 0.0, owed: bool = False) -> Prepared:
+        """What a check of `limit` at `cost` carries (`LimitCheck.prepared`), made when the plans
+        are compiled: the store's arguments and, under `on_store_error: local`, the stand-in's
+        for the limit's share (its `local.limit`, which the rate-limit fields describe too)."""
+        prepared = self.store.prepare(limit, cost, max_delay=max_delay, owed=owed)
+        if limit.on_store_error is not FailurePolicy.LOCAL:
+            return prepared
+        share = local_share(limit, self._local_divisor, cost)
+        local = self._local_store.prepare(share, cost, max_delay=max_delay, owed=owed)
+        return dataclasses.replace(prepared, local=local)
 
     async def check(self, checks: Sequence[LimitCheck], *, shed: bool = False) -> Decision:
         """`shed`: the caller is past its in-flight cap; the failure policies answer at once,
@@ -400,11 +411,7 @@ class Limiter:
         if FailurePolicy.CLOSED in policies:
             statuses = tuple(LimitStatus(c.limit, c.cost, None, FAILURE_OUTCOME[c.limit.on_store_error]) for c in checks)
             return Decision(allowed=False, statuses=statuses, retry_after=1.0, store_failed=True)
-        local = [
-            dataclasses.replace(c, limit=self._local_limit(c.limit, c.cost))
-            for c in checks
-            if c.limit.on_store_error is FailurePolicy.LOCAL
-        ]
+        local = [self._local_check(c) for c in checks if c.limit.on_store_error is FailurePolicy.LOCAL]
         try:
             answer = self._local_store.check_now(local) if local else None
         except StoreFull as full:
@@ -437,11 +444,13 @@ class Limiter:
         statuses = tuple(LimitStatus(c.limit, c.cost, None, NO_ROOM) for c in checks)
         return Decision(allowed=False, statuses=statuses, retry_after=1.0, store_failed=True)
 
-    def _local_limit(self, limit: Limit, cost: int) -> Limit:
-        cached = self._local_limits.get((limit.name, cost))
-        if cached is None or cached[0] is not limit:  # a reload may have replaced the limit
-            cached = self._local_limits[(limit.name, cost)] = (limit, local_share(limit, self._local_divisor, cost))
-        return cached[1]
+    def _local_check(self, check: LimitCheck) -> LimitCheck:
+        """`check` as the stand-in takes it: against the limit's share, as the plans compiled
+        it; a check made without them (or changed since) has its share worked out here."""
+        prepared = check.prepared
+        if prepared is not None and prepared.local is not None and prepared.fits(check):
+            return dataclasses.replace(check, limit=prepared.local.limit, prepared=prepared.local)
+        return dataclasses.replace(check, limit=local_share(check.limit, self._local_divisor, check.cost), prepared=None)
 
     async def read_bucket(self, limit: Limit, identity: str) -> BucketReading:
         """The bucket of `limit` for `identity` as the store holds it. Raises StoreError."""

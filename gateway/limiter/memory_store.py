@@ -31,7 +31,16 @@ from collections.abc import Callable, Sequence
 from gateway.config.model import ConcurrencyLimit, Limit
 from gateway.limiter import bucket, leases, quota
 from gateway.limiter.keys import bucket_key, identity_digest, lease_key
-from gateway.limiter.store import BucketReading, LeaseCheck, LeaseDecision, LeaseReading, LimitCheck, StoreDecision
+from gateway.limiter.store import (
+    BucketReading,
+    LeaseCheck,
+    LeaseDecision,
+    LeaseReading,
+    LimitCheck,
+    Prepared,
+    PreparedLease,
+    StoreDecision,
+)
 
 _BucketId = tuple[str, str]
 # Buckets examined for dropping per check: far more than a check can add, so memory
@@ -75,6 +84,15 @@ class MemoryStore:
         self._expiry: list[tuple[float, _BucketId]] = []
         # (limit name, identity digest) -> lease id -> time it expires
         self._leases: dict[_BucketId, dict[str, float]] = {}
+
+    def prepare(self, limit: Limit, cost: int, *, max_delay: float = 0.0, owed: bool = False) -> Prepared:
+        """The check's spec in the model (`gateway.limiter.bucket.spec_of`)."""
+        spec = bucket.spec_of(LimitCheck(limit=limit, identity="", cost=cost, max_delay=max_delay, owed=owed))
+        return Prepared(limit=limit, cost=cost, max_delay=max_delay, owed=owed, args=spec)
+
+    def prepare_lease(self, limit: ConcurrencyLimit) -> PreparedLease:
+        """Nothing but the limit: a lease here reads it as it is."""
+        return PreparedLease(limit=limit, args=None)
 
     async def start(self) -> None:
         pass
@@ -131,7 +149,7 @@ class MemoryStore:
         now = self._clock()
         self._forget_full(now, at_most=FORGET_PER_CHECK)
         ids = [(c.limit.name, identity_digest(self._secret, c.identity)) for c in checks]
-        specs = [bucket.spec_of(c) for c in checks]
+        specs = [c.prepared.args if c.prepared is not None and c.prepared.fits(c) else bucket.spec_of(c) for c in checks]
         held = [self._buckets.get(i) for i in ids]
         for bucket_id, was_held in zip(ids, held):
             if was_held is not None:  # checked now, so the last to be evicted

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from gateway.config.model import ConcurrencyLimit, Limit
 
@@ -39,6 +39,33 @@ class StoreNotConnected(StoreError):
 
 
 @dataclass(frozen=True, slots=True)
+class Prepared:
+    """What a store derives from a limit as one route or rule applies it (its cost, max_delay
+    and owed) made once, when the plans are compiled (`Store.prepare`), so a check carries it
+    and the store reads it rather than deriving it per request. A reload compiles new plans
+    and so new ones: nothing is kept across configs."""
+
+    limit: Limit
+    cost: int
+    max_delay: float
+    owed: bool
+    args: Any  # the store's own: the Redis script's ARGV, the in-process store's spec
+    # Under `on_store_error: local`, the same made by the in-process stand-in for the limit's
+    # share (gateway.limiter.decision.local_share); None for any other policy.
+    local: Prepared | None = None
+
+    def fits(self, check: LimitCheck) -> bool:
+        """Whether this was made for `check`'s limit, cost, max_delay and owed: a check changed
+        after it was built (a cost of 0 to read, a tier's limit) derives its own."""
+        return (
+            self.limit is check.limit
+            and self.cost == check.cost
+            and self.max_delay == check.max_delay
+            and self.owed == check.owed
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class LimitCheck:
     limit: Limit
     identity: str  # "source=value", as the client presented it; hashed by the store
@@ -51,6 +78,9 @@ class LimitCheck:
     # holds, into debt. It still refuses when it could not pay, as does a read (cost 0)
     # while the bucket is in debt. Never waits: max_delay is ignored.
     owed: bool = False
+    # Made for this limit, cost, max_delay and owed when the plans were compiled; None, or one
+    # that does not fit (`Prepared.fits`): the store derives them for this check alone.
+    prepared: Prepared | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +120,19 @@ class LeaseCheck:
     limit: ConcurrencyLimit
     identity: str  # "source=value", as the client presented it; hashed by the store
     lease: str  # unique per request across the fleet
+    # Made for `limit` when the plans were compiled; None, or one made for another limit
+    # (the stand-in's share): the store derives what it needs for this call alone.
+    prepared: PreparedLease | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedLease:
+    """What a store derives from a concurrency limit, made when the plans are compiled
+    (`Store.prepare_lease`), and the limit's share under `on_store_error: local`."""
+
+    limit: ConcurrencyLimit
+    args: Any  # the store's own: the lease script's ARGV after the lease id
+    local: ConcurrencyLimit | None = None  # this process's share, for the stand-in
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +156,14 @@ class Store(Protocol):
     # Whether a check may give back tokens it charged (a Redis Cluster check across
     # slots that a later slot denied). Then tokens can reappear faster than they refill.
     refunds: bool
+
+    def prepare(self, limit: Limit, cost: int, *, max_delay: float = 0.0, owed: bool = False) -> Prepared:
+        """What a check of `limit` at `cost`, `max_delay` and `owed` needs that depends on them
+        alone, made once when the plans are compiled (without `local`: the limiter adds it)."""
+
+    def prepare_lease(self, limit: ConcurrencyLimit) -> PreparedLease:
+        """What a lease under `limit` needs that depends on it alone (`LeaseCheck.prepared`;
+        without `local`: the limiter adds it)."""
 
     async def start(self) -> None:
         """Open connections. May raise StoreError; the gateway still starts and retries."""

@@ -20,11 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import ssl
 import time
 from collections.abc import Awaitable, Callable
 
-import aiohttp
 from aiohttp import hdrs, web
 from aiohttp.http import HttpVersion10
 from multidict import CIMultiDict
@@ -37,13 +35,12 @@ from gateway.proxy.header_rewrite import rewrite_headers
 from gateway.proxy.problem import RETRY_AFTER_ONE, Problem, problem_response
 from gateway.proxy.relayed_response import ArrivedResponse, RelayedResponse
 from gateway.proxy.route_plan import PoolPlan, RoutePlan, TargetPlan
+from gateway.proxy.upstreams import Upstream
 from gateway.proxy.websocket import WebSocketConnectFailed, proxy_websocket
 from gateway.upstream.balancing import Outcome, retry_allowed
 from gateway.upstream.body import RequestBody
 from gateway.upstream.client import UpstreamClient
-from gateway.upstream.connection import DEFAULT_BOUNDS, HeadBounds
 from gateway.upstream.errors import ConnectFailed, UpstreamError, UpstreamTimeout
-from gateway.upstream.slots import UpstreamSlots
 
 log = logging.getLogger(__name__)
 
@@ -52,55 +49,12 @@ _FAILED = Problem.of(502, "Bad Gateway", "The upstream failed.")
 _UNBOUNDED = contextlib.nullcontext()  # reusable: a route without timeout.total
 
 
-class Upstream:
-    """What one upstream base URL has in this process: its slots, its keep-alive HTTP/1.1
-    connections, and the aiohttp sessions its WebSocket handshakes go out on."""
-
-    def __init__(self, url: str, connections: int, tls: ssl.SSLContext | None, bounds: HeadBounds = DEFAULT_BOUNDS) -> None:
-        """`tls`: the context of an https `url` (None for http); `bounds`: its response heads'."""
-        self.url = url
-        self.slots = UpstreamSlots(connections)
-        self.client = UpstreamClient(url, tls, bounds)
-        # aiohttp's ws_connect refuses an Authorization header beside credentials in its URL
-        # (a ValueError, so a 500): handshakes go to the URL without them, and the URL's
-        # credentials as the header, replacing the client's as they do for HTTP requests.
-        self.ws_base = str(URL(url).with_user(None))
-        self.ws_authorization = self.client.endpoint.authorization
-        # By (connect timeout, read timeout): ws_connect takes no ClientTimeout, so each
-        # route's timeouts need a session of their own to bound the handshake.
-        self._ws_sessions: dict[tuple[float, float], aiohttp.ClientSession] = {}
-
-    def ws_session(self, plan: RoutePlan) -> aiohttp.ClientSession:
-        key = (plan.connect_timeout, plan.read_timeout)
-        session = self._ws_sessions.get(key)
-        if session is None:
-            session = self._ws_sessions[key] = aiohttp.ClientSession(
-                # Slots bound the connections; aiohttp lifts the read timeout once upgraded.
-                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60),
-                auto_decompress=False,
-                cookie_jar=aiohttp.DummyCookieJar(),
-                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-                trust_env=False,
-                # `connect` bounds the host name's lookup too, as timeout.connect does for HTTP.
-                timeout=aiohttp.ClientTimeout(total=None, connect=key[0], sock_connect=key[0], sock_read=key[1]),
-            )
-        return session
-
-    async def close(self) -> None:
-        self.client.close()
-        sessions = list(self._ws_sessions.values())
-        self._ws_sessions.clear()
-        for session in sessions:
-            await session.close()
-
-
 # One attempt on one target: its answer, or _ConnectFailed when nothing was sent.
 Attempt = Callable[[TargetPlan, Upstream, float | None], Awaitable[web.StreamResponse]]
 
 
 async def forward(
     plan: RoutePlan,
-    upstreams: dict[str, Upstream],
     attempt: Attempt,
     limit_headers: dict[str, str],
     record: AccessRecord,
@@ -119,7 +73,7 @@ async def forward(
         tried |= 1 << index
         target = pool.targets[index]
         record.upstream_target = target.label
-        upstream = upstreams[target.url]
+        upstream = target.upstream
         slots = upstream.slots
         if not slots.try_take() and not await slots.take(plan.queue_timeout):
             plan.unavailable(QUEUE_FULL).inc()
@@ -271,9 +225,10 @@ def websocket_attempt(
         if upstream.ws_authorization is not None:
             sent = headers.copy()  # another target of the pool may have no credentials of its own
             sent[hdrs.AUTHORIZATION] = upstream.ws_authorization
+        session = upstream.ws_session(plan.connect_timeout, plan.read_timeout)
         try:
             return await proxy_websocket(
-                request, upstream.ws_session(plan), URL(upstream.ws_base + rest, encoded=True), sent, ws_headers,
+                request, session, URL(upstream.ws_base + rest, encoded=True), sent, ws_headers,
                 timed_out, answered, opened=lambda: _count(target, Outcome.ANSWERED),
             )
         except WebSocketConnectFailed as exc:

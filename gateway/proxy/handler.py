@@ -29,7 +29,7 @@ from gateway.metrics import STATUS_CLASSES, Metrics
 from gateway.proxy.access_log import ACCESS_RECORD, AccessRecord, request_id
 from gateway.proxy.asked_identities import lease_identities, rate_identities
 from gateway.proxy.bounded_protocol import CANCEL_ON_HANGUP, ClientLimitExceeded, hung_up
-from gateway.proxy.forwarding import HttpAttempt, Upstream, forward, websocket_attempt
+from gateway.proxy.forwarding import HttpAttempt, forward, websocket_attempt
 from gateway.proxy.header_rewrite import rewrite_headers
 from gateway.proxy.headers import GATEWAY_WRITTEN, add_forwarded, drop_cgi_aliases, end_to_end
 from gateway.proxy.paths import NormalPath, PathRejected, normalize_path
@@ -46,6 +46,7 @@ from gateway.proxy.request_body import (
 )
 from gateway.proxy.route_plan import Plans, RoutePlan, compile_plans
 from gateway.proxy.routing import ConditionRejected
+from gateway.proxy.upstreams import Upstream
 from gateway.proxy.websocket import ClientLeft, is_websocket_upgrade
 from gateway.upstream.balancing import TargetStates
 from gateway.upstream.body import RequestBody
@@ -63,11 +64,6 @@ class ProxyHandler:
     def __init__(self, config: GatewayConfig, decider: Decider, metrics: Metrics) -> None:
         # Each pool target's health, ejection and load, kept across reloads.
         self._targets = TargetStates()
-        # Everything compiled from the config sits behind this one reference.
-        self._plans = compile_plans(config, metrics, self._targets.update(config))
-        metrics.keep_targets(frozenset(t.name for t in self._plans.pool_targets))
-        metrics.keep_routes(self._plans.route_labels, self._plans.limit_names)
-        self._health = HealthChecks(metrics.target_healthy, metrics.show_targets, self._tls_of)
         self._decider = decider
         self._metrics = metrics
         self._connections = config.upstream_connections
@@ -75,7 +71,8 @@ class ProxyHandler:
         # One TLS context for every https upstream, made with the first: loading the system's
         # trust store costs tens of milliseconds, which a gateway without one never pays.
         self._tls: ssl.SSLContext | None = None
-        self._upstreams = {url: self._upstream(url) for url in self._plans.upstreams}
+        # Each upstream some config in use names, by base URL; the plans hold them too.
+        self._upstreams: dict[str, Upstream] = {}
         # Upstreams a reload dropped (a pool's targets replaced, a route removed), by the
         # generation of the config that dropped them. Requests that began on an older config
         # may still send there, so each closes once none of those is in flight: a fleet
@@ -83,11 +80,25 @@ class ProxyHandler:
         self._generation = 0
         self._in_flight_by_generation: dict[int, int] = {}
         self._retiring: dict[str, int] = {}
+        # Everything compiled from the config sits behind this one reference.
+        self._plans = self._compile(config)
+        metrics.keep_targets(frozenset(t.name for t in self._plans.pool_targets))
+        metrics.keep_routes(self._plans.route_labels, self._plans.limit_names)
+        self._health = HealthChecks(metrics.target_healthy, metrics.show_targets, self._tls_of)
         self._closing: set[asyncio.Future[None]] = set()  # the event loop holds tasks only weakly
         self._in_flight = 0  # requests in handle() now, this one included
 
+    def _compile(self, config: GatewayConfig) -> Plans:
+        return compile_plans(config, self._metrics, self._targets.update(config), self._decider.limiter, self._upstream)
+
     def _upstream(self, url: str) -> Upstream:
-        return Upstream(url, self._connections, self._tls_of(url), self._head_bounds)
+        """The upstream of `url`: the one a config in use names (a retiring one too, which
+        this keeps), else a new one."""
+        self._retiring.pop(url, None)  # named again before it closed: kept
+        upstream = self._upstreams.get(url)
+        if upstream is None:
+            upstream = self._upstreams[url] = Upstream(url, self._connections, self._tls_of(url), self._head_bounds)
+        return upstream
 
     def _tls_of(self, url: str) -> ssl.SSLContext | None:
         """The TLS context of an https `url`, the proxy's and its health checks' (None for http)."""
@@ -106,12 +117,8 @@ class ProxyHandler:
         """Serve `config` from the next request on. A request in flight read the old plans
         once, at its start, and finishes on them; the connections of upstreams it may still
         use stay open until no request begun before this reload is in flight."""
-        plans = compile_plans(config, self._metrics, self._targets.update(config))
+        plans = self._compile(config)
         self._generation += 1
-        for url in plans.upstreams:
-            self._retiring.pop(url, None)  # named again before it closed: kept
-            if url not in self._upstreams:
-                self._upstreams[url] = self._upstream(url)
         kept = set(plans.upstreams)
         for url in self._upstreams:
             if url not in kept:
@@ -285,7 +292,7 @@ class ProxyHandler:
             # A WebSocket's end is its own close frame or connection, handled by its relay.
             attempt = websocket_attempt(request, plan, rest, headers, limit_headers, record)
             try:
-                return await forward(plan, self._upstreams, attempt, limit_headers, record)
+                return await forward(plan, attempt, limit_headers, record)
             except ClientLeft:
                 return self._client_closed(plan)  # while its handshake waited for the upstream
         # From here on, a client that hangs up cancels this task: the upstream request is
@@ -345,7 +352,7 @@ class ProxyHandler:
             length = request.content_length
         host = request.headers.get("Host") if plan.preserve_host else None
         attempt = HttpAttempt(request, plan, rest, headers, host, body, length, limit_headers, record)
-        return await forward(plan, self._upstreams, attempt, limit_headers, record)
+        return await forward(plan, attempt, limit_headers, record)
 
 
 def _raw_path(request: web.BaseRequest) -> str | None:

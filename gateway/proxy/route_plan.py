@@ -13,7 +13,7 @@ Trusts the config, which `gateway.config.loader` has validated.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,11 +32,13 @@ from gateway.decision.plan import DecisionPlan
 from gateway.decision.problems import problem_body
 from gateway.identity.sources import ClientIdentity, IdentityKey, RouteIdentity
 from gateway.limiter.keys import PROCESS_SECRET
+from gateway.limiter.limiter import Limiter
 from gateway.metrics import NO_TARGET, QUEUE_FULL, UNMATCHED_ROUTE, Children, Metrics
 from gateway.proxy.headers import GATEWAY_WRITTEN
 from gateway.proxy.location import LocationRewrite
 from gateway.proxy.problem import Problem
 from gateway.proxy.routing import Router
+from gateway.proxy.upstreams import Upstream
 from gateway.upstream.balancing import Balancer, Outcome, TargetState
 
 _NO_RULES = HeaderRules()  # a route without request_headers or response_headers
@@ -88,6 +90,7 @@ class TargetPlan:
     label: str | None  # in the access log's upstream_target: None for a single upstream
     where: str  # the target as the log names it
     state: TargetState
+    upstream: Upstream  # its slots and connections, the proxy handler's, kept across reloads
     requests: Any  # gateway_upstream_target_requests_total child
     latency: Any  # gateway_upstream_target_latency_seconds child
     errors: Children  # gateway_upstream_target_errors_total, by kind
@@ -155,15 +158,23 @@ class Plans:
     log_secret: bytes  # keys the identity hashes in the access log: store.key_secret, else PROCESS_SECRET
 
 
-def compile_plans(config: GatewayConfig, metrics: Metrics, states: Mapping[str, TargetState]) -> Plans:
-    """`states`: the shared state of each pool target by URL (gateway.upstream.balancing.TargetStates)."""
+def compile_plans(
+    config: GatewayConfig,
+    metrics: Metrics,
+    states: Mapping[str, TargetState],
+    limiter: Limiter,
+    upstream_for: Callable[[str], Upstream],
+) -> Plans:
+    """`states`: the shared state of each pool target by URL (gateway.upstream.balancing.TargetStates);
+    `limiter` prepares each limit's checks; `upstream_for` gives the upstream of a base URL,
+    made if no config named it before."""
     pools: dict[UpstreamPool, PoolPlan] = {}
     targets: dict[str, TargetPlan] = {}
     for route in config.routes:
         if isinstance(route.upstream, UpstreamPool) and route.upstream not in pools:
-            pools[route.upstream] = _pool_plan(route.upstream, metrics, states, targets)
+            pools[route.upstream] = _pool_plan(route.upstream, metrics, states, targets, upstream_for)
     local_divisor = config.local_divisor
-    routes = tuple(_route_plan(route, metrics, pools, local_divisor) for route in config.routes)
+    routes = tuple(_route_plan(route, metrics, pools, local_divisor, limiter, upstream_for) for route in config.routes)
     return Plans(
         router=Router(routes),
         path_rule=config.path_normalization,
@@ -187,7 +198,11 @@ def compile_plans(config: GatewayConfig, metrics: Metrics, states: Mapping[str, 
 
 
 def _pool_plan(
-    pool: UpstreamPool, metrics: Metrics, states: Mapping[str, TargetState], targets: dict[str, TargetPlan]
+    pool: UpstreamPool,
+    metrics: Metrics,
+    states: Mapping[str, TargetState],
+    targets: dict[str, TargetPlan],
+    upstream_for: Callable[[str], Upstream],
 ) -> PoolPlan:
     plans = []
     for target in pool.targets:
@@ -199,6 +214,7 @@ def _pool_plan(
                 label=target.name,
                 where=f"target {target.name}",
                 state=states[target.url],
+                upstream=upstream_for(target.url),
                 requests=metrics.target_requests.labels(target=target.name),
                 latency=metrics.target_latency.labels(target=target.name),
                 errors=Children(metrics.target_errors, ("kind",), target=target.name).export(*_ERROR_KINDS),
@@ -218,11 +234,11 @@ _ERROR_KINDS = tuple((outcome.value,) for outcome in Outcome if outcome is not O
 _NO_TARGET = Problem.of(503, "Service Unavailable", "No upstream target is in rotation; retry shortly.")
 
 
-def _single_pool(url: str) -> PoolPlan:
+def _single_pool(url: str, upstream: Upstream) -> PoolPlan:
     """A route's one upstream as a pool of one target, never ejected, counted in no target series."""
     state = TargetState(None, None)
     target = TargetPlan(
-        url=url, name=url, label=None, where=redacted_url(url), state=state,
+        url=url, name=url, label=None, where=redacted_url(url), state=state, upstream=upstream,
         requests=UNCOUNTED, latency=UNCOUNTED, errors=UNCOUNTED, ejections=UNCOUNTED,  # type: ignore[arg-type]
     )
     return PoolPlan(
@@ -241,11 +257,17 @@ def _cgi_written(rules: HeaderRules) -> frozenset[str]:
 
 
 def _route_plan(
-    route: Route, metrics: Metrics, pools: Mapping[UpstreamPool, PoolPlan], local_divisor: int
+    route: Route,
+    metrics: Metrics,
+    pools: Mapping[UpstreamPool, PoolPlan],
+    local_divisor: int,
+    limiter: Limiter,
+    upstream_for: Callable[[str], Upstream],
 ) -> RoutePlan:
     label = route.label  # the route in metrics, formed once for all its children
     timeout = route.timeout
-    pool = pools[route.upstream] if isinstance(route.upstream, UpstreamPool) else _single_pool(route.upstream)
+    upstream = route.upstream
+    pool = pools[upstream] if isinstance(upstream, UpstreamPool) else _single_pool(upstream, upstream_for(upstream))
     stripped = route.strip_prefix and route.match.path != "/"  # strip_prefix is only taken on prefix routes
     # A pool's targets are each the upstream's own address, for the Location rewrite.
     addresses = [t.url for t in route.upstream.targets] if isinstance(route.upstream, UpstreamPool) else [route.upstream]
@@ -262,7 +284,7 @@ def _route_plan(
         allow_path_parameters=route.allow_path_parameters,
         connect_timeout=timeout.connect,
         read_timeout=timeout.read,
-        decision=DecisionPlan.of(route.limits, route.concurrency, label, metrics, local_divisor),
+        decision=DecisionPlan.of(route.limits, route.concurrency, label, metrics, local_divisor, limiter),
         identity=RouteIdentity.of([IdentityKey.of(rl.limit.key) for rl in route.limits], route.match.path),
         upstream_timeout=problem_body(
             504,

@@ -8,7 +8,9 @@ several tokens of one bucket at once (`lua/token_lease.lua`). All buckets of a
 request are one check of the script: one round trip, all-or-nothing. The
 checks of one event-loop iteration for one node (on a Cluster, one slot) go
 in one script call (`gateway.redis.check_batches`), over one pipelined
-connection per node (`gateway.redis.connection`). The admin API reads a bucket or an
+connection per node (`gateway.redis.connection`). A check's script arguments come with it,
+formatted when the plans were compiled (`prepare`); one without is formatted for itself,
+and nothing is kept by limit. The admin API reads a bucket or an
 identity's leases together with Redis's TIME in one EVAL, and resets a bucket
 by DEL and leases by an EVAL that counts the live ones as it deletes them, each
 on the master of the key's slot.
@@ -46,6 +48,8 @@ from gateway.limiter.store import (
     LeaseGrant,
     LeaseReading,
     LimitCheck,
+    Prepared,
+    PreparedLease,
     StoreDecision,
     StoreError,
 )
@@ -71,9 +75,6 @@ LEASE_DELETE_SCRIPT = (
     b"local live = redis.call('ZCOUNT', KEYS[1], '(' .. (t[1] * 1000 + math.floor(t[2] / 1000)), '+inf') "
     b"redis.call('DEL', KEYS[1]) return live"
 )
-# Formatted script arguments kept, one per limit object, cost, max_delay and owed: far more than a
-# config has. Each reload brings new limit objects, so past this the cache starts over.
-ARGS_CACHE_ENTRIES = 4096
 # Bucket keys kept, one per (limit, identity) of at most COMPACT_IDENTITY characters (~30 MB
 # at most), more clients than one process sees within a refill period on most
 # deployments; past this the cache starts over.
@@ -88,10 +89,8 @@ class RedisStore:
         self._config = config
         self.description = f"redis {redacted_url(config.url)}"
         self._scripts = Scripts.load()
-        self._args_cache: dict[tuple[int, int, float, bool], tuple[Limit, tuple[bytes, ...]]] = {}
         self._keys_cache: dict[tuple[str, str], str] = {}
         self._keys_secret: bytes | None = None  # the secret the cached keys were hashed with
-        self._lease_args_cache: dict[str, tuple[ConcurrencyLimit, tuple[bytes, bytes]]] = {}
         self._setup_timeout = max(config.timeout, SETUP_TIMEOUT_FLOOR)
         self._redis = nodes_for(config, connect_timeout=max(config.timeout * 10, SETUP_TIMEOUT_FLOOR))
         self._cluster = self._redis if isinstance(self._redis, RedisCluster) else None
@@ -109,6 +108,14 @@ class RedisStore:
     def _secret(self) -> bytes | None:
         # The secret hashed with now: tests/test_redis_failures.py compares it with Redis's.
         return self._fleet_secret.value
+
+    def prepare(self, limit: Limit, cost: int, *, max_delay: float = 0.0, owed: bool = False) -> Prepared:
+        """The check's kind and four values as the token-bucket script reads them (`script_args`)."""
+        args = script_args(LimitCheck(limit=limit, identity="", cost=cost, max_delay=max_delay, owed=owed))
+        return Prepared(limit=limit, cost=cost, max_delay=max_delay, owed=owed, args=args)
+
+    def prepare_lease(self, limit: ConcurrencyLimit) -> PreparedLease:
+        return PreparedLease(limit=limit, args=lease_args(limit))
 
     async def start(self) -> None:
         await self._redis.connect()
@@ -129,13 +136,15 @@ class RedisStore:
             if self._cluster is not None:
                 return await self._check_slots(checks, keys)
             # One Redis: the common case, with no slot to route by.
-            return _decision(await self._batches.add(0, keys, self._args(checks)))
+            return _decision(await self._batches.add(0, keys, _args(checks)))
 
         return await self._fleet_secret.run(check_with)
 
     async def acquire(self, lease: LeaseCheck) -> LeaseDecision:
         key = await self._lease_key(lease)
-        args = (lease.lease.encode(), *self._lease_args(lease.limit))
+        prepared = lease.prepared
+        limit_args = prepared.args if prepared is not None and prepared.limit is lease.limit else lease_args(lease.limit)
+        args = (lease.lease.encode(), *limit_args)
         reply = await self._scripts.concurrency.call(
             self._redis, key_slot(key), (key,), args, before_eval=self._fleet_secret.after_noscript
         )
@@ -172,7 +181,7 @@ class RedisStore:
     async def lease(self, check: LimitCheck, want: int) -> LeaseGrant:
         """One bucket, so one slot: on a Cluster too, one script call and no refund."""
         # A leased limit is a bucket that rejects (the config refuses quotas and delays): no debt.
-        _, capacity, rate, cost, _ = self._script_args(check)
+        _, capacity, rate, cost, _ = _script_args(check)
         args = (capacity, rate, cost, str(want).encode())
 
         async def lease_with(secret: bytes) -> Any:  # the script's reply, as Redis sent it
@@ -197,7 +206,7 @@ class RedisStore:
     async def refund(self, check: LimitCheck, tokens: int) -> None:
         """One bucket, so one slot: `lua/token_refund.lua`, as for a check denied in a later slot."""
         secret = await self._fleet_secret.ensure()
-        _, capacity, *_ = self._script_args(check)
+        _, capacity, *_ = _script_args(check)
         (key,) = self._keys((check,), secret)
         await self._scripts.refund.call(self._redis, key_slot(key), (key,), (capacity, str(tokens).encode()))
 
@@ -234,7 +243,7 @@ class RedisStore:
         for i, key in enumerate(keys):
             slots.setdefault(key_slot(key), []).append(i)
         if len(slots) == 1:
-            return _decision(await self._batches.add(next(iter(slots)), keys, self._args(checks)))
+            return _decision(await self._batches.add(next(iter(slots)), keys, _args(checks)))
         remaining: list[float | None] = [None] * len(checks)
         resets: list[float | None] = [None] * len(checks)
         charged: list[int] = []
@@ -247,7 +256,7 @@ class RedisStore:
                 if not indices:
                     continue
             part = [checks[i] for i in indices]
-            decision = _decision(await self._batches.add(slot, [keys[i] for i in indices], self._args(part)))
+            decision = _decision(await self._batches.add(slot, [keys[i] for i in indices], _args(part)))
             for i, left, reset in zip(indices, decision.remaining, decision.resets):
                 remaining[i], resets[i] = left, reset
             if denial is not None:
@@ -280,7 +289,7 @@ class RedisStore:
                 self._redis,
                 slot,
                 [keys[i] for i in part],
-                [arg for i in part for arg in self._script_args(checks[i])[1::2]],  # capacity (or limit), cost
+                [arg for i in part for arg in _script_args(checks[i])[1::2]],  # capacity (or limit), cost
             )
             for slot, part in slots.items()
         ]
@@ -327,42 +336,42 @@ class RedisStore:
             keys.append(key)
         return keys
 
-    def _args(self, checks: Sequence[LimitCheck]) -> Sequence[bytes]:
-        """ARGV of one check: the kind of each limit (b: bucket, q: quota; in capitals when owed), then four values per limit."""
-        if len(checks) == 1:
-            return self._script_args(checks[0])
-        formatted = [self._script_args(c) for c in checks]
-        return [b"".join(argv[0] for argv in formatted), *(arg for argv in formatted for arg in argv[1:])]
 
-    def _lease_args(self, limit: ConcurrencyLimit) -> tuple[bytes, bytes]:
-        """A concurrency limit's ARGV after the lease id, its N and TTL in ms, formatted once per
-        limit object (a reload's new limit is formatted anew)."""
-        cached = self._lease_args_cache.get(limit.name)
-        if cached is None or cached[0] is not limit:
-            args = (str(limit.concurrency).encode(), str(math.ceil(limit.lease_ttl * 1000)).encode())
-            self._lease_args_cache[limit.name] = cached = (limit, args)
-        return cached[1]
+def _args(checks: Sequence[LimitCheck]) -> Sequence[bytes]:
+    """ARGV of one check: the kind of each limit (b: bucket, q: quota; in capitals when owed), then four values per limit."""
+    if len(checks) == 1:  # most routes' one limit, without a call more
+        check = checks[0]
+        prepared = check.prepared
+        return prepared.args if prepared is not None and prepared.fits(check) else script_args(check)  # type: ignore[no-any-return]
+    formatted = [_script_args(c) for c in checks]
+    return [b"".join(argv[0] for argv in formatted), *(arg for argv in formatted for arg in argv[1:])]
 
-    def _script_args(self, check: LimitCheck) -> tuple[bytes, ...]:
-        """The kind and four values of one limit, formatted once per limit, cost, max_delay and owed: a bucket's
-        capacity, rate per second, cost and debt (max_delay × rate), or a quota's limit, period,
-        cost and offset in ms (`gateway.limiter.bucket.spec_of`). Keyed by the limit object,
-        so a limit a reload replaced is formatted anew."""
-        limit = check.limit
-        key = (id(limit), check.cost, check.max_delay, check.owed)
-        cached = self._args_cache.get(key)
-        if cached is None or cached[0] is not limit:
-            spec = bucket.spec_of(check)
-            if isinstance(spec, quota.QuotaSpec):
-                kind, values = b"q", (spec.limit, spec.period_ms, spec.cost, spec.offset_ms)
-            else:
-                kind, values = b"b", (spec.capacity, spec.rate, spec.cost, spec.debt)
-            if spec.owed:
-                kind = kind.upper()
-            if len(self._args_cache) >= ARGS_CACHE_ENTRIES:
-                self._args_cache.clear()  # mostly limits that reloads replaced, kept alive by this cache
-            self._args_cache[key] = cached = (limit, (kind, *(repr(float(v)).encode() for v in values)))
-        return cached[1]
+
+def _script_args(check: LimitCheck) -> tuple[bytes, ...]:
+    """The check's own, as prepared when the plans were compiled, else derived for it alone."""
+    prepared = check.prepared
+    if prepared is not None and prepared.fits(check):
+        return prepared.args  # type: ignore[no-any-return]
+    return script_args(check)
+
+
+def script_args(check: LimitCheck) -> tuple[bytes, ...]:
+    """The kind and four values of one limit: a bucket's capacity, rate per second, cost and
+    debt (max_delay × rate), or a quota's limit, period, cost and offset in ms
+    (`gateway.limiter.bucket.spec_of`)."""
+    spec = bucket.spec_of(check)
+    if isinstance(spec, quota.QuotaSpec):
+        kind, values = b"q", (spec.limit, spec.period_ms, spec.cost, spec.offset_ms)
+    else:
+        kind, values = b"b", (spec.capacity, spec.rate, spec.cost, spec.debt)
+    if spec.owed:
+        kind = kind.upper()
+    return (kind, *(repr(float(v)).encode() for v in values))
+
+
+def lease_args(limit: ConcurrencyLimit) -> tuple[bytes, bytes]:
+    """A concurrency limit's ARGV after the lease id: its N and TTL in ms."""
+    return str(limit.concurrency).encode(), str(math.ceil(limit.lease_ttl * 1000)).encode()
 
 
 def _decision(reply: Any) -> StoreDecision:
