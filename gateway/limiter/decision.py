@@ -18,7 +18,10 @@ from gateway.limiter.outcomes import ALLOW, DELAYED, DENY, FAIL_LOCAL, FAILURE_O
 from gateway.limiter.store import LimitCheck, StoreDecision
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass sets each field through object.__setattr__ (three times the
+# cost), and one is made for every check. Treated as immutable all the same: changed only
+# through dataclasses.replace.
+@dataclass(slots=True)
 class LimitStatus:
     limit: Limit
     cost: int
@@ -34,7 +37,10 @@ class LimitStatus:
         return self.outcome == FAIL_LOCAL and self.remaining is not None and self.remaining < self.cost
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass sets each field through object.__setattr__ (three times the
+# cost), and one is made for every check. Treated as immutable all the same: changed only
+# through dataclasses.replace.
+@dataclass(slots=True)
 class Decision:
     allowed: bool
     statuses: tuple[LimitStatus, ...]

@@ -65,7 +65,10 @@ class Prepared:
         )
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass sets each field through object.__setattr__ (three times the
+# cost), and one is made for every check. Treated as immutable all the same: changed only
+# through dataclasses.replace.
+@dataclass(slots=True)
 class LimitCheck:
     limit: Limit
     identity: str  # "source=value", as the client presented it; hashed by the store
@@ -83,7 +86,10 @@ class LimitCheck:
     prepared: Prepared | None = None
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass sets each field through object.__setattr__ (three times the
+# cost), and one is made for every check. Treated as immutable all the same: changed only
+# through dataclasses.replace.
+@dataclass(slots=True)
 class StoreDecision:
     allowed: bool
     # Per check, in order. None: not asked, because a check in an earlier Redis Cluster slot denied.
