@@ -11,7 +11,7 @@ from tests.upstream import running_upstream
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules marked `timing` measure latency, load, exactness under load or memory:
+    """The modules marked `timing` (all in tests/load/) measure latency, load, exactness under load or memory:
     under pytest-xdist they form one group, so one worker runs them one at a time while
     the others run the rest (whose processes run at normal priority, below the real-time
     Redis these tests start)."""

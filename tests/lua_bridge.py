@@ -2,7 +2,7 @@
 small stand-in for Redis: hashes with expiry, and a clock the test sets.
 
 This is an interpreter harness for a pure script, not a mock of the store under
-test: the real-Redis tests (tests/test_lua_token_bucket.py, the process tests)
+test: the real-Redis tests (tests/store/test_lua_token_bucket.py, the process tests)
 remain, and `test_lua_model.py` checks this bridge against a real redis-server.
 It copies Redis 7.0's Lua bridge (src/script_lua.c) only where the token-bucket
 script can tell the difference:

@@ -1,6 +1,6 @@
 """envoyproxy/ratelimit's `ShouldRateLimit` vectors as test data of our own, read from
 github.com/envoyproxy/ratelimit at commit f2fb157 so that the suite does not need that
-repository. tests/test_rls_reference_answers.py runs them against the gateway.
+repository. tests/gateway/test_rls_reference_answers.py runs them against the gateway.
 
 Each dict is one config directory for the gateway's `rls_config`. The reference's own files
 come from tests.rls_reference_examples (byte for byte) or, marked "verbatim", are here; the

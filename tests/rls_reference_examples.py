@@ -3,7 +3,7 @@ own: examples/ratelimit/config/*.yaml (the example deployment) and
 test/integration/runtime/current/ratelimit/config/*.yaml (the directory its integration
 tests serve), reproduced byte for byte from github.com/envoyproxy/ratelimit at commit
 f2fb157, so that the suite does not need that repository. Its test/config files are in
-tests.rls_reference_files; tests/test_rls_reference_config.py runs both."""
+tests.rls_reference_files; tests/gateway/test_rls_reference_config.py runs both."""
 
 from __future__ import annotations
 

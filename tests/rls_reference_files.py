@@ -2,7 +2,7 @@
 test/config/config_test.go (test/config/*.yaml), reproduced byte for byte from
 github.com/envoyproxy/ratelimit at commit f2fb157, so that the suite does not need that
 repository. Its example and integration configs are in tests.rls_reference_examples;
-tests/test_rls_reference_config.py runs both."""
+tests/gateway/test_rls_reference_config.py runs both."""
 
 from __future__ import annotations
 

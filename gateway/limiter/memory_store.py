@@ -47,7 +47,7 @@ _BucketId = tuple[str, str]
 # still follows the active clients, while no single request pays for a long quiet spell.
 FORGET_PER_CHECK = 64  # (limit name, identity digest)
 DEFAULT_MAX_BYTES = 32 * 1024 * 1024
-# What one entry costs, measured with tracemalloc (tests/test_memory_store.py holds
+# What one entry costs, measured with tracemalloc (tests/unit/test_memory_store.py holds
 # the store to it): its key, its state, its place in the LRU order and in the expiry heap.
 ENTRY_BYTES = 768
 

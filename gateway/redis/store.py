@@ -106,7 +106,7 @@ class RedisStore:
 
     @property
     def _secret(self) -> bytes | None:
-        # The secret hashed with now: tests/test_redis_failures.py compares it with Redis's.
+        # The secret hashed with now: tests/load/test_redis_failures.py compares it with Redis's.
         return self._fleet_secret.value
 
     def prepare(self, limit: Limit, cost: int, *, max_delay: float = 0.0, owed: bool = False) -> Prepared:

@@ -21,11 +21,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from tests.gateway.test_admin_page import check_png, errors_in, needs_browser
 from tests.processes import GatewayProcess, RedisServer, eventually, free_port
-from tests.test_admin_page import check_png, errors_in, needs_browser
 from tests.webdriver import Browser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT = ROOT / "docs" / "admin-page.png"
 HEAVY, LATER = "heavy-client-key-51", "after-restart-key-33"
 CHART_DEADLINE = 20.0

@@ -8,7 +8,7 @@ the counter totals the page computes its rates from, summed over the workers.
 
 The browser is Debian's chromium, driven by chromedriver over the WebDriver
 protocol (tests/webdriver.py). The charts, and docs/admin-page.png, are
-tests/test_admin_charts.py's."""
+tests/gateway/test_admin_charts.py's."""
 
 from __future__ import annotations
 

@@ -453,7 +453,7 @@ def test_envoy_snippets_name_fields_of_envoys_messages() -> None:
 
 def test_every_fenced_block_on_the_page_is_named_and_tested() -> None:
     """A block added to the page without a `<!-- snippet: NAME -->` line would be run by no test."""
-    text = (Path(__file__).resolve().parent.parent / "docs" / "beside-proxies.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parents[2] / "docs" / "beside-proxies.md").read_text(encoding="utf-8")
     names = re.findall(r"^<!-- snippet: (\S+) -->\n```", text, re.M)
     assert len(re.findall(r"^```[a-z]+\n", text, re.M)) == len(names)
     assert sorted(names) == sorted([

@@ -228,7 +228,7 @@ def test_check_interpolates_from_the_environment(tmp_path):
 
 
 def test_check_accepts_the_shipped_configs():
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     # The reference config names its files relative to the clone's root, and needs its admin token.
     env = {"REDIS_URL": "redis://127.0.0.1:1/0", "GATEWAY_ADMIN_TOKEN": "0123456789abcdef0123"}
     for path in (repo / "config" / "gateway.yaml", repo / "config" / "demo-redis.yaml", repo / "gateway" / "demo_config.yaml"):

@@ -31,9 +31,9 @@ from gateway.config.model import DotSegments, EscapedSlashes, PathNormalization
 from gateway.proxy.forwarded_target import FRAGMENT, NORMALISED, NOT_ORIGIN_FORM, TargetRefused, forwarded_target
 from gateway.proxy.paths import normalize_path
 from gateway.testing import running_gateway
+from tests.beside_proxies import running_nginx
 from tests.processes import GatewayProcess, free_port
 from tests.raw_client import raw_exchange
-from tests.test_decision_service import running_nginx
 from tests.upstream import RecordingUpstream, echo, serving
 
 LIMITS = """

@@ -23,7 +23,7 @@ from gateway.config.loader import DEFAULT_ADMIN_LISTEN, DEFAULT_LISTEN
 from gateway.config.model import GatewayConfig
 from gateway.config.units import parse_address, parse_duration
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
 LISTEN_PORT = parse_address(DEFAULT_LISTEN).port

@@ -51,7 +51,7 @@ from tests.processes import GatewayProcess, RedisServer, free_port
 from tests.prometheus import PrometheusServer, promtool
 from tests.upstream import upstream_app
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 ALERTS = PROMETHEUS_DIR / "alerts.yml"
 ALERT_TESTS = PROMETHEUS_DIR / "alerts_test.yml"

@@ -2,7 +2,7 @@
 admin bearer token, TLS on the public listener with certificates made here by
 trustme, llhttp in charge of parsing, and aiohttp at or above its last advisory.
 
-The public listener serving no admin path is tested in tests/test_admin.py
+The public listener serving no admin path is tested in tests/gateway/test_admin.py
 (`test_admin_paths_*`): /metrics, /healthz and /readyz are proxied like any
 path, or get the 404 of an unmatched path."""
 

@@ -123,7 +123,7 @@ def test_with_allowlisted_puts_each_status_back_in_its_place(tmp_path):
 
 def test_with_allowlisted_keeps_the_wait_of_a_delayed_decision(tmp_path):
     # A mode: delay limit with `allow` or `tiers` charged the request into its debt; dropping
-    # the wait here admitted it at once, past the rate (found by tests/test_deploy_prometheus.py).
+    # the wait here admitted it at once, past the rate (found by tests/gateway/test_deploy_prometheus.py).
     limit = tiered(tmp_path)
     checks = [LimitCheck(limit=limit, identity=f"ip={i}", cost=1) for i in range(2)]
     checked = Decision(

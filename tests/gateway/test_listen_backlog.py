@@ -14,9 +14,9 @@ import subprocess
 import pytest
 
 from gateway.config.model import DEFAULT_LISTEN_BACKLOG
+from tests.gateway.test_reload import reload_with
 from tests.helpers import error_of
 from tests.processes import GatewayProcess, free_port
-from tests.test_reload import reload_with
 
 CLIENTS = 1000
 # Only a failing run waits this long: a SYN the kernel dropped is retried after 1 s, 3 s, 7 s…

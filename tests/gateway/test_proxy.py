@@ -282,7 +282,7 @@ async def test_an_absolute_form_request_target_goes_to_the_routes_upstream(gw, d
 @pytest.mark.parametrize(
     ("host", "status"),
     [("{decoy}", 200), ("elsewhere.invalid", 200), ("elsewhere.invalid:80", 200), ("[::1]:1", 200),
-     ("user@{decoy}", 400), ("", 400)],  # not a host (RFC 9112 §3.2): refused, see tests/test_self_report.py
+     ("user@{decoy}", 400), ("", 400)],  # not a host (RFC 9112 §3.2): refused, see tests/gateway/test_self_report.py
 )
 async def test_an_odd_host_header_never_changes_the_upstream(gw, decoy, host, status):
     elsewhere, hits = decoy

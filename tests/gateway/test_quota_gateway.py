@@ -108,7 +108,7 @@ async def test_a_monthly_quota_resets_when_the_clock_crosses_into_the_new_year(u
     """The in-process store under libfaketime: its wall clock starts 4 s before
     2027-01-01 00:00 UTC. (redis-server 7 does not start under libfaketime here: its
     allocator's first clock_gettime recurses into libfaketime. The script crosses the
-    same boundaries at computed times in tests/test_quota.py.)"""
+    same boundaries at computed times in tests/store/test_quota.py.)"""
     new_year = datetime.datetime(2027, 1, 1, tzinfo=UTC)
     env = {"LD_PRELOAD": LIBFAKETIME[0], "FAKETIME": (new_year - datetime.timedelta(seconds=4)).strftime("@%Y-%m-%d %H:%M:%S")}
     with GatewayProcess(CONFIG.format(store="", upstream=upstream), env=env) as gateway:

@@ -22,7 +22,7 @@ import pytest
 
 from tests.processes import GatewayProcess, RedisServer, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 TRANSCRIPT = re.compile(r"^<!-- transcript (\w+):[^\n]*-->\n```console\n(.*?)^```$", re.MULTILINE | re.DOTALL)

@@ -18,10 +18,10 @@ from gateway.config import load_config
 from gateway.testing import running_gateway
 from gateway.upstream.client import UpstreamClient
 from tests.examples import ALIAS_BOMBS
+from tests.gateway.test_cli import DEADLINE, metric
 from tests.helpers import script_calls
 from tests.processes import GatewayProcess, RedisServer, eventually, free_port
 from tests.scrape import until_in_flight
-from tests.test_cli import DEADLINE, metric
 from tests.upstream import running_upstream
 
 RELOADED = "config reloaded from"
@@ -352,7 +352,7 @@ def test_check_into_a_pipe_closed_early_prints_no_traceback(tmp_path):
 async def test_the_readme_step_more_gateways_against_the_same_redis_shares_the_counts(redis_server):
     """README, "Quick start with Redis": the demo, then a second gateway started with the
     README's own command (other ports, the demo's upstream), sharing one budget."""
-    config = (Path(__file__).resolve().parent.parent / "config" / "demo-redis.yaml").read_text()
+    config = (Path(__file__).resolve().parents[2] / "config" / "demo-redis.yaml").read_text()
     upstream = f"127.0.0.1:{free_port()}"
     env = {"REDIS_URL": redis_server.url, "DEMO_UPSTREAM": upstream}
     ports = {"GATEWAY_LISTEN": "127.0.0.1:0", "GATEWAY_ADMIN_LISTEN": "127.0.0.1:0"}

@@ -19,8 +19,8 @@ from multidict import CIMultiDict
 from gateway.proxy.location import LocationRewrite
 from gateway.proxy.relayed_response import field_bytes, serialized_head
 from gateway.testing import running_gateway
+from tests.gateway.test_upstream_client import RawUpstream
 from tests.raw_client import RAW_TIMEOUT, raw_exchange, request_bytes
-from tests.test_upstream_client import RawUpstream
 
 
 def routed_to(upstream: str) -> str:

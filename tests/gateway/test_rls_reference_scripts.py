@@ -1,6 +1,6 @@
 """envoyproxy/ratelimit's integration-test/scripts/*.sh (commit f2fb157) as the RPCs Envoy
 sends for them, and its quota-mode `ShouldRateLimit` vectors, against the gateway over
-gRPC (tests/test_rls_reference_answers.py has the rest, and the helpers).
+gRPC (tests/gateway/test_rls_reference_answers.py has the rest, and the helpers).
 
 Each script curls examples/envoy/proxy.yaml's routes; a route's rate-limit actions turn the
 request's headers into descriptors (`request_headers`: a descriptor is sent only when every
@@ -20,8 +20,8 @@ import time
 import pytest
 
 from tests import rls_reference_answers_data as data
+from tests.gateway.test_rls_reference_answers import HOUR, OK, OVER, Asker, d, serving, statuses, stub_of, written
 from tests.processes import RedisServer, eventually
-from tests.test_rls_reference_answers import HOUR, OK, OVER, Asker, d, serving, statuses, stub_of, written
 
 # examples/envoy/proxy.yaml: each route's rate-limit actions, as the headers they read (in order).
 ROUTES = {

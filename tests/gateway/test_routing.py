@@ -88,7 +88,7 @@ def test_router_takes_the_first_route_that_fits(method, host, path, upstream):
 
 def test_no_route_is_ever_reached_after_a_catch_all_and_check_names_it():
     """A shadowed route loads (first match in file order stays the rule); `shadowed` names
-    it, and `gateway check` warns with that (tests/test_cli.py)."""
+    it, and `gateway check` warns with that (tests/gateway/test_cli.py)."""
     config = config_from_yaml(
         """
 routes:

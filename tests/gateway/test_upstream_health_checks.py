@@ -44,7 +44,7 @@ from gateway.upstream.client import UpstreamClient
 from gateway.upstream.health_checks import DRAIN_BYTES, HealthChecks, probe
 from tests.processes import eventually, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Short enough that the hanging upstream's check ends soon; a loaded machine that misses
 # it only turns a pass into a failure, which the tests of passes would show as such.
 TIMEOUT = 0.2

@@ -26,7 +26,7 @@ from tests.processes import GatewayProcess, eventually, free_port
 from tests.scrape import decisions, scrape, value
 from tests.upstream import running_upstream
 
-CHI_SQUARE_2DF_P001 = 13.816  # see tests/test_upstream_pool.py
+CHI_SQUARE_2DF_P001 = 13.816  # see tests/unit/test_upstream_pools.py
 
 
 class Target:

@@ -31,8 +31,8 @@ from gateway.server import GC_YOUNG_THRESHOLD
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.connection import HeadBounds, UpstreamConnection
 from gateway.upstream.errors import BodyFailed, ConnectFailed, UpstreamError, UpstreamFailed, UpstreamTimeout
+from tests.gateway.test_upstream_client import OK, SILENT, Cut, RawUpstream, client_of, fetch, read_all, send
 from tests.processes import eventually, free_port
-from tests.test_upstream_client import OK, SILENT, Cut, RawUpstream, client_of, fetch, read_all, send
 
 CHUNKED_OK = b"2\r\nok\r\n0\r\n\r\n"
 REFUSED = {

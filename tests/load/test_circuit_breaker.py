@@ -24,9 +24,9 @@ from gateway.limiter.store import LimitCheck
 from gateway.redis.store import RedisStore
 from gateway.testing import running_gateway
 from tests.helpers import store_config
+from tests.load.test_redis_failures import gateway_yaml, get, one_limit
 from tests.processes import RedisServer, eventually
 from tests.scrape import scrape, value
-from tests.test_redis_failures import gateway_yaml, get, one_limit
 
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 

@@ -9,7 +9,7 @@
 - Traefik's and Envoy's contracts, with the requests they document sending: allow, deny
   (429 with the fields), a fail-closed limit on a dead store (503), an untrusted peer
   (400, charged nothing) and missing original-request headers (400); what the original
-  request holds is refused as the client's doing (tests/test_decision_targets.py).
+  request holds is refused as the client's doing (tests/gateway/test_decision_targets.py).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from tests.scrape import decisions, scrape, value
 
 grpc = pytest.importorskip("grpc")  # the test extra has it; skipped only where it is truly missing
 from gateway.envoy.generated import rls_pb2, rls_pb2_grpc  # noqa: E402
-from tests.test_envoy_rls import OK, OVER_LIMIT, descriptor, request  # noqa: E402
+from tests.load.test_envoy_rls import OK, OVER_LIMIT, descriptor, request  # noqa: E402
 
 pytestmark = pytest.mark.timing  # floods the service, and measures the public listener beside it
 

@@ -22,10 +22,10 @@ import pytest
 from gateway.limiter.keys import identity_digest, lease_key
 from gateway.redis.cluster import key_slot
 from tests.chaos_proxy import ChaosProxy
+from tests.load.test_redis_cluster import PREFIX, SECRET, bucket, cluster_yaml, identities_in_slot_order, send
+from tests.load.test_redis_sentinel import sentinel_url
 from tests.processes import GatewayProcess, RedisCluster, RedisServer, eventually, gateway_fleet
 from tests.scrape import decisions, scrape, settled_decisions, value
-from tests.test_redis_cluster import PREFIX, SECRET, bucket, cluster_yaml, identities_in_slot_order, send
-from tests.test_redis_sentinel import sentinel_url
 from tests.upstream import CountingUpstream, serving
 
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time

@@ -22,8 +22,8 @@ from gateway.limiter.token_leases import Leases
 from gateway.limiter.top_limited import TopLimited
 from gateway.testing import running_gateway
 from tests.helpers import flood
+from tests.load.test_denial_cache import limit
 from tests.processes import GatewayProcess
-from tests.test_denial_cache import limit
 from tests.upstream import CountingUpstream, serving
 
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
@@ -98,7 +98,7 @@ def test_the_top_limited_list_holds_long_identities_by_their_digest():
 
 async def test_an_identity_past_the_cap_gets_431_and_is_neither_charged_nor_forwarded():
     """With a cap of 1 KiB: at the default, one header line (8,190 bytes at most, as llhttp
-    reads it) cannot pass the cap (tests/test_identity_length.py has a composite key that does)."""
+    reads it) cannot pass the cap (tests/gateway/test_identity_length.py has a composite key that does)."""
     upstream = CountingUpstream()
     cap = 1024
     config = """

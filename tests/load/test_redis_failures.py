@@ -1,5 +1,5 @@
 """When Redis is slow, stopped, restarted or loses its script cache: the store's
-own behaviour, and what the fault suite (tests/test_faults.py) does not cover.
+own behaviour, and what the fault suite (tests/load/test_faults.py) does not cover.
 
 Each check is bounded by store.timeout as a whole, pool wait included; a check
 that timed out is never sent again; a gateway started before Redis begins

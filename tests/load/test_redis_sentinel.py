@@ -13,8 +13,8 @@ import pytest
 from gateway.limiter.circuit_breaker import BREAKER_COOLDOWN
 from gateway.redis.connection import RECONNECT_BACKOFF_MAX
 from gateway.testing import running_gateway
+from tests.load.test_redis_failures import gateway_yaml, get
 from tests.processes import SentinelServer, eventually, wait_until
-from tests.test_redis_failures import gateway_yaml, get
 
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 

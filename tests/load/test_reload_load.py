@@ -22,9 +22,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from tests.gateway.test_cli import metric
 from tests.processes import GatewayProcess, RedisServer, eventually, free_port
 from tests.scrape import settled_decisions
-from tests.test_cli import metric
 from tests.upstream import serving
 
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time

@@ -48,7 +48,7 @@ GATEWAYS = 8
 LOOPS_PER_GATEWAY = 32
 LOAD_SECONDS = 3.0
 RATE, BURST = "50/second", 20
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 CONFIG = """
 listen: 127.0.0.1:0

@@ -4,7 +4,7 @@ the per-process lease book (`gateway.limiter.token_leases`), and the limiter aga
 a real redis-server: one script call per N requests, concurrent requests
 sharing one refill, a leased limit that another limit denies getting its
 token back locally, and what a lease cannot keep going back to Redis without
-the denial waiting for it. The fleet of gateway processes is tests/test_lease_fleet.py."""
+the denial waiting for it. The fleet of gateway processes is tests/load/test_token_leases_fleet.py."""
 
 from __future__ import annotations
 

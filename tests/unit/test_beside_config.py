@@ -14,8 +14,8 @@ import textwrap
 import pytest
 
 from gateway.config import ConfigError, parse_config
+from tests.load.test_envoy_rls import EXAMPLES
 from tests.processes import run_cli
-from tests.test_envoy_rls import EXAMPLES
 
 
 def test_gateway_check_lists_the_decision_listener_and_every_rls_rate_limit(tmp_path):

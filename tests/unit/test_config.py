@@ -14,7 +14,7 @@ from gateway.config.store_url import parse_store_url as parse_sentinel_url
 from tests.examples import ALIAS_BOMBS, ISSUE_EXAMPLE
 from tests.helpers import SOURCE, error_of
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 ROUTE = "routes:\n  - match: {path: /}\n    upstream: http://127.0.0.1:9000\n"

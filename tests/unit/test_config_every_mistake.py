@@ -274,7 +274,7 @@ routes:
 
 
 def test_the_configuration_pages_transcript_is_what_its_file_gives():
-    page = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text(encoding="utf-8")
+    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text(encoding="utf-8")
     shown = page.partition("$ gateway check -c bad.yaml\n")[2].partition("```")[0].splitlines()
     with pytest.raises(ConfigError) as info:
         parse_config(BAD_YAML, source="bad.yaml", environ={})

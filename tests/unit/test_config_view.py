@@ -23,7 +23,7 @@ from gateway.config.reader import _join
 from gateway.config.units import parse_duration, parse_size
 from tests.processes import run_cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "config" / "gateway.yaml"
 ENVIRON = {"GATEWAY_ADMIN_TOKEN": "0123456789abcdef0123"}
 

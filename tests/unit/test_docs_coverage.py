@@ -15,7 +15,7 @@ import pytest
 from gateway.config import ConfigError, loader, parse_config
 from gateway.metrics import Metrics
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 DOCS = {path: path.read_text(encoding="utf-8") for path in sorted((ROOT / "docs").glob("*.md"))}
 CONFIGURATION = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")

@@ -2,7 +2,7 @@
 a descriptor falls under (gateway.envoy.descriptors), wildcards anywhere in a value,
 `replaces`, the bucket identity (`share_threshold`), and how the files map onto gateway
 limits (gateway.config.rls). envoyproxy/ratelimit's own config vectors are in
-tests/test_rls_reference_config.py."""
+tests/gateway/test_rls_reference_config.py."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "lua" / "token_bucket.lua"
 PAGE = ROOT / "gateway" / "admin" / "page"
 PAGE_FILES = ("index.html", "admin.js", "charts.js", "admin.css")
