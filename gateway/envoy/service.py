@@ -84,6 +84,8 @@ class RateLimitService:
         self.decider = decider
         self.limiter = decider.limiter
         self._counted = counted
+        # Its children by (domain, decision), looked up once each: a handful of domains and outcomes.
+        self._counts: dict[tuple[str, str], Any] = {}
         self.reload(config)
         self._overrides: dict[tuple[str, int, str], Limit] = {}
         self._gathering = Gathering()
@@ -94,7 +96,7 @@ class RateLimitService:
         self.local_divisor = config.local_divisor
         for domain in (*self.rls.domains, UNKNOWN_DOMAIN):  # exported at 0 from the start
             for decision in EXPORTED_DECISIONS:
-                self._counted.labels(domain=domain, decision=decision)
+                self._count(domain, decision)
 
     async def should_rate_limit(self, request: Any, *, shed: bool = False) -> Any:
         """The RateLimitResponse for a RateLimitRequest (within gateway.envoy.bounds). Raises
@@ -146,8 +148,15 @@ class RateLimitService:
             decision = await self._read_unasked(checks, decision)
         domain = request.domain if known else UNKNOWN_DOMAIN
         for slot in slots:
-            self._counted.labels(domain=domain, decision=UNMATCHED if slot is None else decision.statuses[slot].outcome).inc()
+            self._count(domain, UNMATCHED if slot is None else decision.statuses[slot].outcome).inc()
         return self._response(found, unlimited, slots, checks, decision)
+
+    def _count(self, domain: str, decision: str) -> Any:
+        """The counter of `decision` for `domain`."""
+        child = self._counts.get((domain, decision))
+        if child is None:
+            child = self._counts[domain, decision] = self._counted.labels(domain=domain, decision=decision)
+        return child
 
     async def _read_unasked(self, checks: Sequence[LimitCheck], decision: Decision) -> Decision:
         """`decision` with what the store holds for the limits it was not asked about (a cached
