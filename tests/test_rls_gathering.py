@@ -1,7 +1,8 @@
 """The RLS's decisions share script calls (gateway.envoy.gathering).
 
 - `Gathering` alone, on a real event loop with no I/O: an RPC that comes when no group is
-  due goes at once, one that comes sooner waits for the group, a full group goes at once,
+  due goes at once, one that comes sooner waits for the group, a full group goes at once
+  and one short of full when its window ends, the next window starts when a group goes,
   and a cancelled waiter leaves its group waiting.
 - End to end: 200 concurrent `ShouldRateLimit` calls from 4 grpc.aio channels to the
   gateway started as users start it, on a private redis-server at the default 10 ms store
@@ -50,15 +51,19 @@ async def test_the_first_rpc_goes_at_once_and_the_next_ones_wait_for_the_group()
     await asyncio.sleep(0)
     assert not second.done() and not third.done()
     # The third member fills the group: all go in the same iteration, the timer not waited for.
-    await asyncio.wait_for(asyncio.gather(second, asyncio.ensure_future(gathering.wait()), third), LONG_WINDOW)
+    await asyncio.gather(second, gathering.wait(), third)
 
 
-async def test_a_group_goes_when_its_window_ends_and_a_later_one_waits_its_own():
+async def test_a_group_short_of_full_goes_when_its_window_ends():
     gathering = Gathering(seconds=0.01, most=64)
     assert finished_at_once(gathering.wait())
-    members = [asyncio.ensure_future(gathering.wait()) for _ in range(5)]
-    await asyncio.gather(*members)  # by the window's timer: the group is far from full
-    # Just after a group went, the next RPC waits for the next window.
+    await asyncio.gather(*(gathering.wait() for _ in range(5)))  # by the window's timer alone
+
+
+async def test_after_a_group_went_the_next_rpc_waits_for_the_next_window():
+    gathering = Gathering(seconds=LONG_WINDOW, most=2)
+    assert finished_at_once(gathering.wait())
+    await asyncio.gather(gathering.wait(), gathering.wait())  # full: goes at once
     assert not finished_at_once(gathering.wait())
 
 
