@@ -5,10 +5,11 @@ Each descriptor of a request finds its rate limit (gateway.envoy.descriptors); t
 found, after `replaces`, go to the limiter in one check, so a request is all or nothing:
 when any descriptor is over its limit, none is charged, but those of a rule with
 `charge: always`, whose every hit is owed (`LimitCheck.owed`): charged refused or not, into
-debt past zero, which is what Envoy's charge after the response needs. Failure policies, the denial cache
-and the circuit breaker apply as they do to the proxy's limits. The cost of a descriptor is
-its own `hits_addend` when Envoy sets one, else the request's (0 there means 1, as Envoy
-and envoyproxy/ratelimit read it). A descriptor with no rate limit is answered OK and counts
+debt past zero, which is what Envoy's charge after the response needs. Concurrent RPCs go to
+the limiter in groups (gateway.envoy.gathering), so that their checks share script calls.
+Failure policies, the denial cache and the circuit breaker apply as they do to the proxy's
+limits. The cost of a descriptor is its own `hits_addend` when Envoy sets one, else the
+request's (0 there means 1, as Envoy and envoyproxy/ratelimit read it). A descriptor with no rate limit is answered OK and counts
 nothing, as is every descriptor of a domain the config does not have (a limit override
 there too, as envoyproxy/ratelimit ignores it); an empty domain or
 descriptor list, or a cost or limit override no bucket can take, is INVALID_ARGUMENT. A
@@ -41,6 +42,7 @@ from gateway.config.rls import UNIT_SECONDS, override_limit
 from gateway.decision.core import Decider
 from gateway.envoy.bounds import frame_fault, grpc_options, request_fault
 from gateway.envoy.descriptors import identity_of, rate_limit_of, request_over_limit, without_replaced
+from gateway.envoy.gathering import Gathering
 from gateway.envoy.generated import rls_pb2
 from gateway.limiter.decision import Decision, LimitStatus, local_share
 from gateway.limiter.outcomes import ALLOW, DENY, FAIL_CLOSED, FAIL_LOCAL, FAIL_OPEN, NO_ROOM, SHADOW_LIMITED, SKIPPED
@@ -82,8 +84,11 @@ class RateLimitService:
         self.decider = decider
         self.limiter = decider.limiter
         self._counted = counted
+        # Its children by (domain, decision), looked up once each: a handful of domains and outcomes.
+        self._counts: dict[tuple[str, str], Any] = {}
         self.reload(config)
         self._overrides: dict[tuple[str, int, str], Limit] = {}
+        self._gathering = Gathering()
 
     def reload(self, config: GatewayConfig) -> None:
         assert config.rls is not None
@@ -91,7 +96,7 @@ class RateLimitService:
         self.local_divisor = config.local_divisor
         for domain in (*self.rls.domains, UNKNOWN_DOMAIN):  # exported at 0 from the start
             for decision in EXPORTED_DECISIONS:
-                self._counted.labels(domain=domain, decision=decision)
+                self._count(domain, decision)
 
     async def should_rate_limit(self, request: Any, *, shed: bool = False) -> Any:
         """The RateLimitResponse for a RateLimitRequest (within gateway.envoy.bounds). Raises
@@ -136,13 +141,22 @@ class RateLimitService:
                 slots.append(_add(checks, seen, check))
             else:
                 slots.append(None)
+        if checks and not shed:  # with the RPCs about it, into shared script calls
+            await self._gathering.wait()
         decision = await self.decider.check(checks, shadowed=any(c.limit.shadow for c in checks), shed=shed)
         if not decision.allowed and not shed:
             decision = await self._read_unasked(checks, decision)
         domain = request.domain if known else UNKNOWN_DOMAIN
         for slot in slots:
-            self._counted.labels(domain=domain, decision=UNMATCHED if slot is None else decision.statuses[slot].outcome).inc()
+            self._count(domain, UNMATCHED if slot is None else decision.statuses[slot].outcome).inc()
         return self._response(found, unlimited, slots, checks, decision)
+
+    def _count(self, domain: str, decision: str) -> Any:
+        """The counter of `decision` for `domain`."""
+        child = self._counts.get((domain, decision))
+        if child is None:
+            child = self._counts[domain, decision] = self._counted.labels(domain=domain, decision=decision)
+        return child
 
     async def _read_unasked(self, checks: Sequence[LimitCheck], decision: Decision) -> Decision:
         """`decision` with what the store holds for the limits it was not asked about (a cached

@@ -46,7 +46,7 @@ from gateway.proxy.access_log import AccessRecord, request_id
 from gateway.proxy.asked_identities import rate_identities
 from gateway.proxy.forwarded_target import TargetRefused, forwarded_target
 from gateway.proxy.paths import NormalPath
-from gateway.proxy.problem import problem
+from gateway.proxy.problem import Answer, problem
 from gateway.proxy.protocol import checked_host
 from gateway.proxy.rejections import refused
 from gateway.proxy.route_plan import Plans
@@ -230,4 +230,5 @@ class DecisionService:
         verdict = await self._decider.decide(plan.decision, identities, held=held, max_delayed=plans.max_delayed)
         if verdict.refusal is not None:
             return refused(verdict.refusal)
-        return web.Response(status=200, headers=verdict.fields)
+        # Prebuilt, as a refusal is: aiohttp's Response would copy and check the fields again.
+        return Answer(200, b"", CIMultiDict(verdict.fields))
