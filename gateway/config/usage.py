@@ -25,8 +25,8 @@ or copies the caller's bytes beyond one token that straddles two chunks.
 Trust: the body is the upstream's, and its strings carry what clients wrote (prompts echoed
 back, completions). Strings are skipped whole, escapes included, so no text inside a
 string can pose as a key. Memory is bounded whatever the body: the JSON scanner keeps a
-depth counter and at most one key or number (MAX_TOKEN bytes), never a value off the
-path; the SSE reader streams each event's data through such a scanner, so no event is
+depth counter and at most one key or number (MAX_TOKEN bytes; a longer key is skipped,
+a longer number on the path gives up), never a value off the path; the SSE reader streams each event's data through such a scanner, so no event is
 buffered either. To stay fast off the path the scanner checks structure only (strings
 closed, brackets balanced, one top-level value); it does not validate the text of the
 values it skips, nor that a `]` closes a `[` rather than a `{` there. Duplicate keys: the
@@ -52,6 +52,7 @@ MAX_TOKEN = 4 * 1024
 MAX_COUNT = 2**53
 # A path is a handful of keys (`usage.total_tokens`); the bound only keeps config sane.
 MAX_PATH_KEYS = 32
+MAX_KEY = 256
 # An SSE field name is `data`, `event`, `id` or `retry`: past this, the line is ignored.
 _MAX_FIELD = 16
 
@@ -121,8 +122,8 @@ def parse_usage_source(text: str) -> UsageSource:
     keys = argument.split(".")
     if not argument or "" in keys:
         raise ValueError(f"expected a dotted path of keys after '{kind}:' such as usage.total_tokens, got {argument!r}")
-    if len(keys) > MAX_PATH_KEYS:
-        raise ValueError(f"expected a path of at most {MAX_PATH_KEYS} keys, got {len(keys)}")
+    if len(keys) > MAX_PATH_KEYS or max(map(len, keys)) > MAX_KEY:
+        raise ValueError(f"expected a path of at most {MAX_PATH_KEYS} keys of at most {MAX_KEY} characters, got {argument[:80]!r}")
     # A key as it appears raw in a body; a key written with escapes is decoded to compare.
     raw = tuple(json.dumps(key, ensure_ascii=False).encode() for key in keys)
     return UsageSource(kind, argument, raw)
@@ -249,7 +250,7 @@ class _JsonReader:
             self._escape = True
             return end
         self._in_string = False  # data[pos] is the closing quote
-        if not self._skip:
+        if not self._skip and self._expect != _COLON:  # a value on the path, not a long key
             self._after_value()
         return pos + 1
 
@@ -302,12 +303,16 @@ class _JsonReader:
         return pos + 1
 
     def _key(self, data: bytes, pos: int, end: int) -> int:
-        match = _STRING.match(data, pos)
+        match = _STRING.match(data, pos, pos + MAX_TOKEN)
         if match is None:
-            if end - pos > MAX_TOKEN:
-                raise _Malformed
-            self._carry = data[pos:]
-            return end
+            if end - pos < MAX_TOKEN:
+                self._carry = data[pos:]
+                return end
+            # Longer than any key of a path: skipped as a string, not held.
+            self._matched = False
+            self._expect = _COLON
+            self._in_string = True
+            return pos + 1
         raw = match.group()
         wanted = self._keys[self._level - 1]
         if raw != wanted and b"\\" in raw:
@@ -323,8 +328,8 @@ class _JsonReader:
         byte = data[pos]
         on_path = self._matched or self._level == 0
         last = self._level == len(self._keys)
-        if self._matched:
-            self._found = None  # this value replaces any earlier one under the same key
+        if self._matched:  # this value replaces any earlier one under the same key
+            self._found = None if last else _ABSENT
         if byte == 0x7B and on_path and not last:
             self._level += 1
             self._matched = False
