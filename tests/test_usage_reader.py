@@ -1,9 +1,10 @@
 """The reader of a response's cost (gateway/config/usage.py), as pure code: bytes in, a
 count out, no I/O.
 
-Fixed cases pin what each source reads and what says nothing; a generated-JSON
-property holds the streaming JSON scan to Python's json (parse, then walk the path) at
-random chunk boundaries; SSE streams are split at every byte; a 200 MB body is scanned
+Fixed cases pin what each source reads and what says nothing, each read both ways a
+JSON text is read: held and parsed (up to HELD_TEXT) and streamed through the scan
+(gateway/config/json_scan.py). A generated-JSON property holds the scan to Python's json
+(parse, then walk the path) at random chunk boundaries; SSE streams are split at every byte; a 200 MB body is scanned
 under tracemalloc to show that what the reader holds stays bounded. The scan's speed is
 printed (run with -s), not asserted.
 """
@@ -20,7 +21,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.config.usage import MAX_COUNT, MAX_TOKEN, parse_usage_source
+from gateway.config.json_scan import ABSENT, MAX_COUNT, MAX_TOKEN, PathScan
+from gateway.config.usage import HELD_TEXT, parse_usage_source
 
 JSON = parse_usage_source("json:usage.total_tokens")
 SSE = parse_usage_source("sse-json:usage.total_tokens")
@@ -46,6 +48,22 @@ def read(source, body: bytes, cuts: list[int] | None = None, headers=None) -> in
 
 def bytewise(source, body: bytes) -> int | None:
     return read(source, body, list(range(1, len(body))))
+
+
+def scanned(body: bytes, cuts: list[int] | None = None, source=JSON) -> int | None:
+    """What the streaming scan alone finds, as the reader of a body past HELD_TEXT would."""
+    scan = PathScan(source._keys)
+    start = 0
+    for cut in [*(cuts or []), len(body)]:
+        scan.feed(body[start:cut])
+        start = cut
+    found = scan.outcome()
+    return None if found == ABSENT else found
+
+
+def every_way(body: bytes) -> set[int | None]:
+    """The reader's answer whole and byte by byte, and the scan's, whole and byte by byte."""
+    return {read(JSON, body), bytewise(JSON, body), scanned(body), scanned(body, list(range(1, len(body))))}
 
 
 def reference(body: bytes, keys: list[str]) -> int | None:
@@ -87,8 +105,10 @@ def test_a_source_is_parsed_and_shown_by_its_spelling(text, shown, reads_body):
 
 @pytest.mark.parametrize(
     "text",
-    ["", "json", "json:", "json:usage.", "json:.usage", "json:a..b", "jsn:usage", "header:", "header:X Units", "response-bytes:x", "bytes", 7]
-    + ["json:" + "k" * 257, "json:" + ".".join("k" * 33)],
+    [
+        *["", "json", "json:", "json:usage.", "json:.usage", "json:a..b", "jsn:usage", "header:", "header:X Units"],
+        *["response-bytes:x", "bytes", 7, "json:" + "k" * 257, "json:" + ".".join("k" * 33)],
+    ],
 )
 def test_a_bad_spelling_is_one_line_saying_why(text):
     with pytest.raises(ValueError) as caught:
@@ -100,8 +120,7 @@ def test_a_bad_spelling_is_one_line_saying_why(text):
 
 
 def test_an_openai_body_says_its_total_whole_and_fed_one_byte_at_a_time():
-    assert read(JSON, OPENAI) == 30
-    assert bytewise(JSON, OPENAI) == 30
+    assert every_way(OPENAI) == {30}
     assert read(parse_usage_source("json:usage.prompt_tokens"), OPENAI) == 10
 
 
@@ -133,8 +152,7 @@ def test_an_openai_body_says_its_total_whole_and_fed_one_byte_at_a_time():
 )
 def test_only_the_path_itself_counts(body, expected):
     assert reference(body, ["usage", "total_tokens"]) == expected
-    assert read(JSON, body) == expected
-    assert bytewise(JSON, body) == expected
+    assert every_way(body) == {expected}
 
 
 @pytest.mark.parametrize(
@@ -162,8 +180,7 @@ def test_only_the_path_itself_counts(body, expected):
 )
 def test_a_count_is_a_whole_number_from_zero_to_two_to_the_53(value, expected):
     body = b'{"usage": {"total_tokens": ' + value + b"}}"
-    assert read(JSON, body) == expected
-    assert bytewise(JSON, body) == expected
+    assert every_way(body) == {expected}
 
 
 @pytest.mark.parametrize(
@@ -197,21 +214,32 @@ def test_a_count_is_a_whole_number_from_zero_to_two_to_the_53(value, expected):
     ],
 )
 def test_a_body_without_the_path_or_malformed_says_nothing(body):
-    assert read(JSON, body) is None
-    assert bytewise(JSON, body) is None
+    assert every_way(body) == {None}
 
 
-def test_a_key_past_the_token_bound_is_skipped_and_a_number_there_gives_up():
+def test_keys_and_numbers_past_the_token_bound_are_skipped_unread():
     long_key = b'{"' + b"k" * MAX_TOKEN + b'": 1, "usage": {"total_tokens": 30}}'
-    assert read(JSON, long_key) == 30
-    assert read(JSON, long_key, list(range(1000, len(long_key), 1000))) == 30
-    assert bytewise(JSON, long_key[:5] + b"k\\\"" + long_key[5:]) == 30
-    long_number = b'{"x": ' + b"1" * (MAX_TOKEN + 1) + b', "usage": {"total_tokens": 30}}'
-    assert read(JSON, long_number) is None
-    assert read(JSON, long_number, list(range(1000, len(long_number), 1000))) is None
-    # Off the path, the same lengths are skipped without being held.
+    long_number = b'{"x": ' + b"1" * MAX_TOKEN + b', "usage": {"total_tokens": 30}, "y": ' + b"2" * 2 * MAX_TOKEN + b"}"
+    escaped_key = long_key[:5] + b'k\\\\\\"' + long_key[5:]
+    for body in long_key, long_number, escaped_key:
+        assert every_way(body) == {30}
+        assert scanned(body, list(range(1000, len(body), 1000))) == 30
+    target = b'{"usage": {"total_tokens": ' + b"3" * MAX_TOKEN + b"}}"
+    assert scanned(target) is None
+    assert scanned(target, list(range(1, len(target)))) is None
+    # Off the path, much longer ones are skipped as well.
     off_path = b'{"x": {"' + b"k" * 10 * MAX_TOKEN + b'": ' + b"1" * 10 * MAX_TOKEN + b'}, "usage": {"total_tokens": 30}}'
     assert read(JSON, off_path) == 30
+    assert scanned(off_path, [7, 100_000]) == 30
+
+
+def test_a_body_past_the_held_bound_is_scanned_not_held():
+    padding = json.dumps({"content": "x" * HELD_TEXT}).encode()
+    body = b'{"a": ' + padding + b', "usage": {"total_tokens": 30}}'
+    broken = b'{"a": ' + padding + b', "usage": {"total_tokens": 30}'
+    for cuts in [], [HELD_TEXT - 1], list(range(1, len(body), 777)):
+        assert read(JSON, body, cuts) == 30
+        assert read(JSON, broken, [c for c in cuts if c < len(broken)]) is None
 
 
 def test_a_compressed_body_is_not_read():
@@ -245,8 +273,11 @@ def test_the_scan_agrees_with_pythons_json_at_any_chunk_boundaries(text, cuts, t
     if truncate:
         body = body[: len(body) // 2]
     expected = reference(body, ["usage", "total_tokens"])
-    assert read(JSON, body, sorted(c for c in cuts if c <= len(body))) == expected
-    assert read(parse_usage_source("json:usage"), body) == reference(body, ["usage"])
+    cuts = sorted(c for c in cuts if c <= len(body))
+    assert read(JSON, body, cuts) == expected
+    assert scanned(body, cuts) == expected
+    whole_usage = parse_usage_source("json:usage")
+    assert read(whole_usage, body) == scanned(body, cuts, whole_usage) == reference(body, ["usage"])
 
 
 # --- server-sent events
@@ -321,6 +352,14 @@ def test_any_line_ending_comments_fields_and_multiline_data(newline):
 def test_which_event_says_the_count(body, expected):
     assert read(SSE, body) == expected
     assert bytewise(SSE, body) == expected
+
+
+def test_an_event_past_the_held_bound_is_scanned_not_held():
+    long = _chunk({"total_tokens": 5}, "x" * 3 * HELD_TEXT)
+    body = _chunk({"total_tokens": 4}) + long + _chunk(None, "y" * 3 * HELD_TEXT) + b"data: [DONE]\n\n"
+    assert read(SSE, body) == 5
+    assert read(SSE, body, list(range(1, len(body), 1000))) == 5
+    assert read(SSE, body + long.replace(b"5}", b"-5}")) is None
 
 
 # --- headers and bytes
@@ -450,5 +489,9 @@ def test_scan_speed_is_printed():
     for name, document in shapes.items():
         body = json.dumps(document).encode()
         print(f"\njson, {name}: {len(body) / 1e6:.0f} MB at {_throughput(JSON, body):.0f} MB/s")
+    started = time.perf_counter()
+    for _ in range(10_000):
+        assert read(JSON, OPENAI) == 30
+    print(f"\njson, the OpenAI body of {len(OPENAI)} bytes: {(time.perf_counter() - started) / 10_000 * 1e6:.1f} µs per response")
     stream = b"".join(_chunk(None, "word ") for _ in range(100_000)) + _chunk(usage, "") + b"data: [DONE]\n\n"
     print(f"sse-json, OpenAI chunks of {len(_chunk(None, 'word '))} bytes: {len(stream) / 1e6:.0f} MB at {_throughput(SSE, stream):.0f} MB/s")
