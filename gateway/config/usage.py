@@ -12,15 +12,19 @@ The API, for the proxy and the Envoy service:
 
     parse_usage_source(text) -> UsageSource       ValueError, one line, for a bad spelling
     source.reads_body -> bool                     False for header: the body need not be fed
-    reader = source.reader(headers)               one per response; headers: a Mapping
-                                                  (case-insensitive, as multidict's) or a get()
+    reader = source.reader(headers)               one per response; headers: a Mapping (a
+                                                  plain dict is searched ignoring case) or a get()
     reader.feed(chunk: bytes) -> None             every body chunk, as relayed
     reader.result() -> int | None                 at the end; None: the response did not say
 
 A count is a whole number from 0 to 2**53 (a JSON float with an integral value is one);
 a negative, fractional, boolean, textual or larger value says nothing, and neither does a
 body that is malformed, cut short, or compressed (a Content-Encoding other than identity).
-Duplicate keys: the last one wins, as with Python's json.
+Duplicate keys: the last one wins, as with Python's json. In a stream, an event not ended
+by a blank line (a stream cut short) is dropped, as the HTML standard says.
+
+It lives in gateway.config, the lowest layer, because the config loader parses `cost.from`
+into a UsageSource; the proxy and the Envoy service above only call it.
 
 Memory is bounded whatever the body. A JSON text (a body, or one event's data) of up to
 HELD_TEXT bytes is held and read by Python's json, in C: most LLM answers and every SSE
