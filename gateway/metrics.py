@@ -278,8 +278,8 @@ class Metrics:
         ))
         self.settlements = add(counter(
             "gateway_limiter_settlements",
-            "Costs the response said, by outcome: settled, retried (settled after the store failed it), lost "
-            "(the store failed it for the whole retry bound; the reservation stayed charged).",
+            "Costs the response said, by outcome: settled, retried (settled once the store was reachable again), "
+            "lost (never sent within the retry bound), unconfirmed (sent, not answered, not sent again).",
             ["outcome"], **files,
         ))
         # Envoy's rate-limit service: its domains are the config's, so the labels stay bounded.

@@ -8,15 +8,19 @@ charged later when the store is back, neither is this). What the response said l
 reservation is one atomic store call (`Store.settle`): less goes back, more is charged into
 debt, which refuses the client's later requests until the bucket has refilled past zero.
 
-Failures: the response has been sent, so nothing can be refused for it. A settlement the
-store fails (down, slow, or held back by the open circuit breaker) is kept and retried in
-the background, after RETRY_FIRST and twice as long each time, up to RETRY_FOR seconds after
-the response; at most MAX_PENDING wait at once. One not settled within the bound is lost:
-a settlement that would have given tokens back leaves them charged (under-admission until
-the bucket refills), one that would have charged more leaves the client with only its
-reservation charged (the overshoot, bounded by what its requests cost beyond their
-reservations). Each outcome is counted (`SETTLED`, `RETRIED`, `LOST`). Trusts the store to
-raise only `StoreError`.
+Failures: the response has been sent, so nothing can be refused for it. A settlement call
+is not idempotent, and one that timed out may still be applied by a Redis that was only
+slow: retrying it would charge the client twice (tests/test_settlement.py saw exactly that
+before this rule). So only a settlement that was never sent (no connection to the store:
+`StoreNotConnected`, or the open circuit breaker holding the store back) is kept and retried
+in the background, after RETRY_FIRST and twice as long each time, for RETRY_FOR seconds in
+all; at most MAX_PENDING wait at once. One not made by then is `LOST`; one that was sent and
+not answered (a timeout, a connection lost mid-call, a refusal) is `UNCONFIRMED`: Redis may
+or may not have applied it, and it is not sent again. Either way what is left charged is
+what the store holds: a lost refund leaves its tokens charged (under-admission until the
+bucket refills), a lost debt leaves only the reservation charged (an overshoot, bounded by
+what the client's requests cost beyond their reservations). Each outcome is counted
+(`SETTLED`, `RETRIED`, `LOST`, `UNCONFIRMED`). Trusts the store to raise only `StoreError`.
 """
 
 from __future__ import annotations
@@ -29,13 +33,13 @@ from collections.abc import Callable
 from gateway.limiter.circuit_breaker import BreakerState, CircuitBreaker
 from gateway.limiter.memory_store import MemoryStore
 from gateway.limiter.outcomes import ALLOW, FAIL_LOCAL
-from gateway.limiter.store import LimitCheck, Store, StoreError
+from gateway.limiter.store import LimitCheck, Store, StoreError, StoreNotConnected
 
 log = logging.getLogger(__name__)
 
 # The outcomes of gateway_limiter_settlements_total.
-SETTLED, RETRIED, LOST = "settled", "retried", "lost"
-SETTLEMENT_OUTCOMES = (SETTLED, RETRIED, LOST)
+SETTLED, RETRIED, LOST, UNCONFIRMED = "settled", "retried", "lost", "unconfirmed"
+SETTLEMENT_OUTCOMES = (SETTLED, RETRIED, LOST, UNCONFIRMED)
 # A store that fails one call (a failover, a slow moment) usually answers the next within a
 # second; one down for longer than RETRY_FOR is an outage, and what it owes a client by then
 # has mostly refilled anyway at the rates such budgets run at (per minute or per hour).
@@ -91,13 +95,23 @@ class Settlements:
         if self._breaker.state is BreakerState.CLOSED:
             try:
                 await self._store.settle(check, delta)
-            except StoreError as exc:
+            except StoreNotConnected as exc:
                 self._failed(check, delta, exc)
+                return check.cost
+            except StoreError as exc:
+                self._unconfirmed(check, delta, exc)
                 return check.cost
             self._count(SETTLED)
             return actual
         self._failed(check, delta, StoreError("the circuit breaker holds the store back"))
         return check.cost
+
+    def _unconfirmed(self, check: LimitCheck, delta: int, exc: StoreError) -> None:
+        self._count(UNCONFIRMED)
+        now = self._clock()
+        if now - self._last_log >= FAILURE_LOG_INTERVAL:
+            self._last_log = now
+            log.warning("a settlement of %+d units of %s went unanswered, and is not sent again: %.200s", delta, check.limit.name, exc)
 
     def _failed(self, check: LimitCheck, delta: int, exc: StoreError) -> None:
         now = self._clock()
@@ -123,8 +137,11 @@ class Settlements:
                 continue
             try:
                 await self._store.settle(check, delta)
-            except StoreError:
+            except StoreNotConnected:
                 continue
+            except StoreError:
+                self._count(UNCONFIRMED)
+                return
             self._count(RETRIED)
             return
         self._count(LOST)
