@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.processes import GatewayProcess, RedisServer, gateway_fleet
+from tests.processes import GatewayProcess, RedisServer, free_port, gateway_fleet
 from tests.scrape import scrape, value
 from tests.upstream import serving
 
@@ -60,13 +60,14 @@ class Upstream:
         self.waiting = asyncio.Event()
 
     async def handle(self, request: web.BaseRequest) -> web.Response:
-        units = int(request.query.get("units", random.randint(0, MAX_UNITS)))
+        given = request.query.get("units")
+        units = random.randint(0, MAX_UNITS) if given is None else int(given) if given.isdigit() else 0
         if self.before_answer is not None:
             self.waiting.set()
             await self.before_answer.wait()
         self.reported += units
         self.answered += 1
-        return web.Response(text="ok", headers={"X-Usage-Units": str(units)})
+        return web.Response(text="ok", headers={"X-Usage-Units": given if given and not given.isdigit() else str(units)})
 
 
 @pytest.fixture
@@ -178,3 +179,44 @@ async def test_two_gateways_fifty_clients_settle_exactly_within_the_overshoot(re
                 assert value(samples, "gateway_limiter_settlements_total", outcome="unconfirmed") == 0
             assert totals == reported
     print(f"admitted {len(admitted_units)} requests costing {reported} units against a burst of {BURST}: overshoot {overshoot}")
+
+
+async def test_no_answer_gives_the_reservation_back_and_silence_costs_missing(redis_server, upstream):
+    _, upstream_url = upstream
+    text = f"""
+store: {{url: "{redis_server.url}"}}
+limits:
+  tokens:
+    rate: 1/year
+    burst: {BURST}
+    key: header:X-API-Key
+    cost: {{from: "header:X-Usage-Units", reserve: {RESERVE}}}
+  by_bytes:
+    rate: 1/year
+    burst: {BURST}
+    key: header:X-API-Key
+    cost: {{from: response-bytes, reserve: {RESERVE}}}
+routes:
+  - match: {{path: /down}}
+    upstream: http://127.0.0.1:{free_port()}
+    limits: [tokens]
+  - match: {{path: /bytes}}
+    upstream: {upstream_url}
+    limits: [by_bytes]
+  - match: {{path: /}}
+    upstream: {upstream_url}
+    limits: [tokens]
+"""
+    with GatewayProcess(text) as gateway:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(gateway.url + "/down", headers={"X-API-Key": "k"}) as response:
+                assert response.status == 502  # nothing listens: no answer, nothing charged
+            found = await bucket(http, gateway, "k")
+            assert found["tokens"] == pytest.approx(BURST, abs=1e-6)
+            async with http.get(gateway.url + "/?units=not-a-number", headers={"X-API-Key": "k"}) as response:
+                assert response.status == 200  # the upstream says nothing the gateway can read
+            assert (await bucket(http, gateway, "k"))["tokens"] == pytest.approx(BURST - RESERVE, abs=1e-6)  # `missing`
+            async with http.get(gateway.url + "/bytes?units=7", headers={"X-API-Key": "b"}) as response:
+                assert await response.read() == b"ok"
+            async with http.get(f"{gateway.admin_url}/buckets/by_bytes?source=header:X-API-Key&value=b") as response:
+                assert (await response.json())["tokens"] == pytest.approx(BURST - 2, abs=1e-6)  # the 2 bytes relayed

@@ -8,16 +8,17 @@ retried and counted, or counted lost."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.config.model import Limit
+from gateway.config.model import FailurePolicy, Limit
 from gateway.limiter import settlement
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.memory_store import MemoryStore
-from gateway.limiter.outcomes import ALLOW, FAIL_OPEN
+from gateway.limiter.outcomes import ALLOW, FAIL_LOCAL, FAIL_OPEN
 from gateway.limiter.store import LimitCheck, StoreError, StoreNotConnected
 from gateway.redis.store import RedisStore
 from gateway.testing import config_from_yaml
@@ -224,3 +225,24 @@ def test_the_retry_bound_is_what_the_docs_say():
     while waited + pause <= settlement.RETRY_FOR:
         waited, pauses, pause = waited + pause, pauses + 1, min(pause * 2, settlement.RETRY_MAX)
     assert math.isclose(settlement.RETRY_FOR, 10.0) and pauses >= 10 and waited <= 10.0
+
+
+async def test_a_reservation_the_local_stand_in_took_settles_there():
+    """`on_store_error: local`: Redis never answered, so the stand-in's share of the limit
+    took the reservation, and the settlement goes to it, exactly, on the limiter's clock."""
+    clock = Clock()
+    dead = RedisServer()  # a free port, and nothing listening on it
+    store = RedisStore(store_config(dead.url, key_secret=None))
+    try:
+        limiter = Limiter(store, shared_store=True, clock=clock)
+        limit = dataclasses.replace(a_limit("1/second"), on_store_error=FailurePolicy.LOCAL)
+        check = reservation(limit, "k")
+        assert await reserve(limiter, check) == FAIL_LOCAL
+        assert await limiter.settlements.settle(check, FAIL_LOCAL, 150) == 150
+        refused = await limiter.check([check])
+        assert refused.statuses[0].outcome == FAIL_LOCAL and not refused.allowed
+        assert refused.retry_after == 60.0  # the 50 owed and the 10 to reserve, at 1 a second
+        clock.now += 60
+        assert (await limiter.check([check])).allowed
+    finally:
+        await store.close()
