@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.processes import GatewayProcess, RedisServer, free_port, gateway_fleet
+from tests.processes import GatewayProcess, RedisServer, eventually, free_port, gateway_fleet
 from tests.scrape import scrape, value
 from tests.upstream import serving
 
@@ -220,3 +220,45 @@ routes:
                 assert await response.read() == b"ok"
             async with http.get(f"{gateway.admin_url}/buckets/by_bytes?source=header:X-API-Key&value=b") as response:
                 assert (await response.json())["tokens"] == pytest.approx(BURST - 2, abs=1e-6)  # the 2 bytes relayed
+
+
+async def test_a_client_gone_mid_stream_is_charged_the_bytes_relayed(redis_server):
+    burst, piece = 10_000_000, 65536
+    release = asyncio.Event()
+
+    async def streaming(request: web.BaseRequest) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"x" * piece)
+        await release.wait()  # the rest would come after the client has gone
+        await response.write(b"x" * piece)
+        return response
+
+    async with serving(streaming) as upstream_url:
+        text = f"""
+store: {{url: "{redis_server.url}"}}
+limits:
+  by_bytes: {{rate: 1/year, burst: {burst}, key: header:X-API-Key, cost: {{from: response-bytes, reserve: {RESERVE}}}}}
+routes:
+  - match: {{path: /}}
+    upstream: {upstream_url}
+    limits: [by_bytes]
+"""
+        with GatewayProcess(text) as gateway:
+            async with aiohttp.ClientSession() as http:
+                async with http.get(gateway.url + "/", headers={"X-API-Key": "k"}) as response:
+                    assert len(await response.content.readexactly(piece)) == piece
+                    response.close()  # gone mid-stream
+                samples: list = []
+
+                async def settled() -> bool:
+                    samples[:] = (await scrape(http, gateway.admin_url))[1]
+                    return value(samples, "gateway_limiter_settlements_total", outcome="settled") == 1
+
+                try:
+                    await eventually(settled, what="the settlement of the request cut off")
+                finally:
+                    release.set()
+                assert value(samples, "gateway_limiter_cost_total", limit="by_bytes") == piece
+                async with http.get(f"{gateway.admin_url}/buckets/by_bytes?source=header:X-API-Key&value=k") as reading:
+                    assert (await reading.json())["tokens"] == pytest.approx(burst - piece, abs=1e-3)
