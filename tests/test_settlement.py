@@ -13,16 +13,20 @@ import math
 from collections.abc import AsyncIterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.config.model import FailurePolicy, Limit
-from gateway.limiter import settlement
+from gateway.limiter import bucket, settlement
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.memory_store import MemoryStore
 from gateway.limiter.outcomes import ALLOW, FAIL_LOCAL, FAIL_OPEN
 from gateway.limiter.store import LimitCheck, StoreError, StoreNotConnected
+from gateway.redis.scripts import load_script
 from gateway.redis.store import RedisStore
 from gateway.testing import config_from_yaml
 from tests.helpers import store_config
+from tests.lua_bridge import FakeRedis, LuaScript
 from tests.processes import RedisServer, eventually
 
 RESERVE = 10
@@ -246,3 +250,49 @@ async def test_a_reservation_the_local_stand_in_took_settles_there():
         assert (await limiter.check([check])).allowed
     finally:
         await store.close()
+
+
+@settings(max_examples=150, derandomize=True, database=None, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.integers(0, 60_000), st.integers(0, 3 * BURST)),  # ms before the request; its actual cost
+        min_size=1,
+        max_size=25,
+    )
+)
+def test_the_scripts_settle_as_the_model_does(steps):
+    """Requests that reserve, then settle what they cost: `lua/token_bucket.lua` (a reservation,
+    and an owed charge of more) and `lua/token_refund.lua` (less), run in Lua 5.1 on a clock
+    the test sets, against gateway/limiter/bucket.py."""
+    capacity, rate = float(BURST), 2.5  # tokens a second
+    fake = FakeRedis()
+    check_script, refund_script = LuaScript(load_script(), fake), LuaScript(load_script("token_refund.lua"), fake)
+    args = (str(capacity), str(rate))
+    state: bucket.BucketState | None = None
+    now_ms = 10_000_000
+    for wait_ms, actual in steps:
+        now_ms += wait_ms
+        fake.set_clock(now_ms * 1000)
+        now = now_ms / 1000
+        spec = bucket.BucketSpec(capacity=capacity, rate=rate, cost=RESERVE)
+        outcome = bucket.check([state], [spec], now)
+        reply = check_script(["k"], ["b", *args, str(RESERVE), "0"])
+        assert bool(reply[0]) == outcome.allowed
+        if not outcome.allowed:
+            continue
+        state = outcome.states[0]  # type: ignore[assignment]
+        delta = actual - RESERVE
+        if delta > 0:
+            owed = bucket.BucketSpec(capacity=capacity, rate=rate, cost=delta, owed=True)
+            state = bucket.check([state], [owed], now).states[0]  # type: ignore[assignment]
+            check_script(["k"], ["B", *args, str(delta), "0"])
+        elif delta < 0:
+            assert state is not None
+            state = bucket.refunded(state, capacity, -delta)
+            refund_script(["k"], [str(capacity), str(-delta)])
+        assert state is not None
+        held = fake.hashes["k"]
+        assert float(held["tokens"]) == pytest.approx(state.tokens, abs=1e-9 * capacity)
+        assert float(held["ts"]) == pytest.approx(state.stamp * 1000, abs=1e-6)
+        # The key outlives the refill from wherever the bucket stands, its debt included.
+        assert fake.deadlines["k"] >= now_ms + (capacity - min(state.tokens, 0.0)) / rate * 1000 - 1
