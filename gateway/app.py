@@ -19,6 +19,7 @@ from gateway.config.model import GatewayConfig
 from gateway.decision.core import Decider
 from gateway.limiter.limiter import Limiter
 from gateway.limiter.memory_store import MemoryStore
+from gateway.limiter.settlement import SETTLEMENT_OUTCOMES
 from gateway.limiter.store import StoreError, refusal
 from gateway.limiter.worker_resets import WorkerResets
 from gateway.metrics import UNMATCHED_ROUTE, Children, Metrics, breaker_gauge_setter
@@ -69,6 +70,7 @@ class Gateway:
         self.metrics = Metrics(multiprocess=multiprocess_metrics)
         evicted = self.metrics.local_store_evictions.inc
         self.store = make_store(config.store, local_memory=config.local_store_memory, on_evict=evicted)
+        settled = Children(self.metrics.settlements, ("outcome",)).export(*((outcome,) for outcome in SETTLEMENT_OUTCOMES))
         self.limiter = Limiter(
             self.store,
             local_store=lambda **kw: MemoryStore(max_bytes=config.local_store_memory, on_evict=evicted, **kw),
@@ -76,6 +78,7 @@ class Gateway:
             shared_store=config.store is not None,
             on_breaker_change=breaker_gauge_setter(self.metrics.store_breaker),
             on_lease_release_failed=self.metrics.lease_release_failures.inc,
+            on_settlement=lambda outcome: settled(outcome).inc(),
             resets=resets,
         )
         self.decider = Decider(self.limiter, self.metrics.limiter_latency, self.metrics.delay)

@@ -216,6 +216,11 @@ def describe(config: GatewayConfig) -> str:
             if limit.max_delay:
                 shape += f", delay up to {limit.max_delay:g}s"
         extras = f", lease {limit.lease} (lapse {limit.lease_lapse:g}s)" if limit.lease else ""
+        if limit.cost is not None:
+            extras += (
+                f", cost from {limit.cost.source}: reserves {limit.cost.reserve} before forwarding, settles the "
+                f"difference after the response (into debt when more), {limit.cost.missing} when the response does not say"
+            )
         response = limit.response
         if response != ResponseStyle():
             body = f", body {response.content_type}" if response.body else ""

@@ -270,6 +270,18 @@ class Metrics:
             "gateway_limiter_decisions", "Limiter decisions, by route, limit and decision.",
             ["route", "limit", "decision"], **files,
         ))
+        self.cost = add(counter(
+            "gateway_limiter_cost",
+            "Units charged to rate limits by admitted requests, by route and limit: a fixed cost when the request is "
+            "admitted, a cost the response says when it is settled (its reservation, if the settlement was lost).",
+            ["route", "limit"], **files,
+        ))
+        self.settlements = add(counter(
+            "gateway_limiter_settlements",
+            "Costs the response said, by outcome: settled, retried (settled once the store was reachable again), "
+            "lost (never sent within the retry bound), unconfirmed (sent, not answered, not sent again).",
+            ["outcome"], **files,
+        ))
         # Envoy's rate-limit service: its domains are the config's, so the labels stay bounded.
         self.rls_descriptors = add(counter(
             "gateway_rls_descriptors",

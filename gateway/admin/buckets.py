@@ -68,6 +68,10 @@ class BucketApi:
             "capacity": limit.burst,
             "rate": limit.rate.text,
             "full_in_seconds": reading.full_in,
+            # Below zero: a cost settled after its response took more than the bucket held. Every
+            # request is refused until it has refilled past zero, in debt_clears_in_seconds.
+            "debt": max(0.0, -reading.tokens),
+            "debt_clears_in_seconds": max(0.0, -reading.tokens) / limit.rate.per_second,
             "denied_here_for_seconds": self._limiter.denied_here_for(limit, identity),
         }
 

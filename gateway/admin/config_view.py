@@ -281,6 +281,9 @@ class _View:
             for name, tier in limit.tiers.limits.items():
                 tiers[name] = {"rate": tier.rate.text, "burst": _number(tier.burst)}
             doc["tiers"] = tiers
+        if limit.cost is not None:
+            doc["cost"] = {"from": limit.cost.source, "reserve": limit.cost.reserve}
+            self.put(doc["cost"], f"{path}.cost", "missing", limit.cost.missing, limit.cost.missing == limit.cost.reserve)
         if limit.allow is not None:
             allow = [str(network) for network in limit.allow.networks]
             for identity in sorted(limit.allow.identities):
@@ -327,7 +330,11 @@ class _View:
             doc["upstream"] = self.pool(route.upstream, f"{path}.upstream")
         else:
             self.secret(doc, path, "upstream", redacted_url(route.upstream), route.upstream)
-        limits: list[Any] = [rl.limit.name if rl.cost == 1 else {"name": rl.limit.name, "cost": rl.cost} for rl in route.limits]
+        # A limit whose cost the response says reserves its own: the route names it alone.
+        limits: list[Any] = [
+            rl.limit.name if rl.cost == 1 or rl.limit.cost is not None else {"name": rl.limit.name, "cost": rl.cost}
+            for rl in route.limits
+        ]
         self.put(doc, path, "limits", limits + [cc.name for cc in route.concurrency], not limits and not route.concurrency)
         self.put(doc, path, "strip_prefix", route.strip_prefix, not route.strip_prefix)
         self.put(doc, path, "preserve_host", route.preserve_host, not route.preserve_host)

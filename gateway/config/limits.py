@@ -33,6 +33,7 @@ from gateway.config.model import (
     Tiers,
 )
 from gateway.config.reader import MAX_COUNT, _choice, _join, _Reader, _suggestion, _type_name
+from gateway.config.response_cost import parse_response_cost
 from gateway.config.units import Rate, parse_duration, parse_rate, parse_time_of_day
 
 # A concurrency lease outlives a gateway that died holding it by at most this. Leases of
@@ -69,7 +70,7 @@ def _limit(name: Any, doc: Any, path: str, response: ResponseStyle, trusted: tup
         path,
         optional=(
             "rate", "burst", "quota", "key", "on_store_error", "shadow", "mode", "max_delay", "response", "lease",
-            "lease_lapse", "tiers", "allow",
+            "lease_lapse", "tiers", "allow", "cost",
         ),
     )
     if ("rate" in spec) == ("quota" in spec):
@@ -103,6 +104,15 @@ def _limit(name: Any, doc: Any, path: str, response: ResponseStyle, trusted: tup
         lease_lapse = r.parsed(parse_duration, spec["lease_lapse"], f"{path}.lease_lapse")
     if lease and (quota is not None or max_delay):
         r.fail(f"{path}.lease", "a lease takes tokens of a token bucket that rejects; a quota or a delaying limit has none to lease")
+    cost = None
+    if "cost" in spec:
+        cost = parse_response_cost(spec["cost"], f"{path}.cost", burst, r)
+        if quota is not None:
+            r.fail(f"{path}.cost", "a cost settled after the response needs a `rate`: a quota's window may end before it is settled")
+        if max_delay:
+            r.fail(f"{path}.cost", "a cost settled after the response may put the bucket into debt, which a delaying limit spends on waits")
+        if lease:
+            r.fail(f"{path}.cost", "a leased limit spends its tokens in this process, where a settlement after the response cannot reach")
     limit = Limit(
         name=name,
         rate=rate,
@@ -115,6 +125,7 @@ def _limit(name: Any, doc: Any, path: str, response: ResponseStyle, trusted: tup
         lease_lapse=lease_lapse,
         max_delay=max_delay,
         quota=quota,
+        cost=cost,
     )
     if "allow" in spec:
         limit = dataclasses.replace(limit, allow=_allow(spec["allow"], f"{path}.allow", sources, r))

@@ -179,6 +179,17 @@ class Quota:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ResponseCost:
+    """A limit whose cost the response says (`cost: {from, reserve, missing}`): `reserve`
+    is taken before forwarding, with the route's other limits, all or nothing; when the
+    response has ended, what it says less `reserve` is settled (gateway.limiter.settlement)."""
+
+    source: str  # as written: json:PATH, sse-json:PATH, header:NAME (lower case) or response-bytes
+    reserve: int  # taken before the request; at most the burst
+    missing: int  # charged when the response does not say
+
+
+@dataclass(frozen=True, kw_only=True)
 class Tiers:
     """A limit's tiers: where a client's tier is read from, and each tier's limit (named
     `LIMIT/TIER`, so its buckets are apart from the default tier's and from each other's)."""
@@ -218,6 +229,7 @@ class Limit:
     quota: Quota | None = None
     tiers: Tiers | None = None  # the rate and burst above are then the default tier's
     allow: Allowlist | None = None
+    cost: ResponseCost | None = None  # the cost comes from the response; None: the route's fixed cost
 
     @property
     def refill_seconds(self) -> float:

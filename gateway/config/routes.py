@@ -167,6 +167,10 @@ def _route_limit(
         if cost != 1:
             r.fail(f"{path}.cost", f"limit {name!r} counts requests in flight, one each; a cost does not apply")
         return limit
+    if limit.cost is not None:
+        if isinstance(item, dict) and "cost" in item:
+            r.fail(f"{path}.cost", f"limit {name!r} takes its cost from the response, reserving {limit.cost.reserve} (its cost.reserve)")
+        cost = limit.cost.reserve
     if cost > limit.burst:
         r.fail(f"{path}.cost", f"cost {cost} is greater than the burst {limit.burst:g} of limit {name!r}; it could never pass")
     for tier in limit.tiers.limits.values() if limit.tiers else ():

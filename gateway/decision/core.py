@@ -23,9 +23,13 @@ from gateway.decision.verdict import Verdict, concurrency_refusal, rate_refusal
 from gateway.identity.tiers import with_allowlisted
 from gateway.limiter.decision import UNLIMITED, Decision
 from gateway.limiter.limiter import Limiter
+from gateway.limiter.outcomes import ALLOW, DELAYED, FAIL_LOCAL
 from gateway.limiter.store import LimitCheck
 
 _NO_CHECKS: tuple[LimitCheck, ...] = ()
+# The outcomes of an admitted request's limits that charged its cost (the store, or the
+# stand-in of `on_store_error: local`); the others charged nothing.
+CHARGED = frozenset((ALLOW, DELAYED, FAIL_LOCAL))
 
 
 class Decider:
@@ -125,6 +129,11 @@ class Decider:
             decision = with_allowlisted(decision, checks, held)
         for lp, status in zip(limits, decision.statuses):
             lp.decisions(status.outcome).inc()
+        if decision.allowed:
+            for lp, status in zip(limits, decision.statuses):
+                # A cost the response says is counted when it is settled (gateway.decision.settle).
+                if status.outcome in CHARGED and lp.limit.cost is None and status.cost and not status.denied:
+                    lp.charged.inc(status.cost)
         return checks, decision
 
     async def check(self, checks: Sequence[LimitCheck], *, shadowed: bool, shed: bool = False) -> Decision:

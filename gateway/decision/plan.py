@@ -54,6 +54,7 @@ class LimitPlan:
     limit: Limit
     cost: int
     decisions: Children  # gateway_limiter_decisions_total for this route and limit, by decision
+    charged: Any  # the gateway_limiter_cost_total child of this route and limit
     rejection: Rejection  # the answer when this limit denies
     classified: bool  # the limit has tiers or an allowlist (gateway.identity.tiers)
     # What the request's check carries (`LimitCheck.prepared`): checked now or rejected, and
@@ -92,6 +93,7 @@ class DecisionPlan:
     enforced: tuple[int, ...]  # the indices in `limits` of those that are not shadow limits
     shadowed: bool  # some of the limits are shadow limits, which never reject
     shaping: bool  # some of the limits may delay a request (mode: delay) rather than reject it
+    metered: tuple[int, ...]  # the indices in `limits` of those whose cost the response says
     classified: bool  # some of the limits have tiers or an allowlist (gateway.identity.tiers)
     fields: RateLimitFields  # the rate-limit fields of every answer
     concurrency: tuple[ConcurrencyPlan, ...]  # taken after `limits` allow, in order
@@ -118,6 +120,7 @@ class DecisionPlan:
             enforced=tuple(i for i, rl in enumerate(limits) if not rl.limit.shadow),
             shadowed=any(rl.limit.shadow for rl in limits),
             shaping=any(rl.limit.max_delay for rl in limits),
+            metered=tuple(i for i, rl in enumerate(limits) if rl.limit.cost is not None),
             classified=any(rl.limit.tiers is not None or rl.limit.allow is not None for rl in limits),
             fields=RateLimitFields.of(
                 [(lp.limit, lp.prepared.local.limit if lp.prepared.local else lp.limit) for lp in planned],
@@ -177,6 +180,7 @@ def _limit_plan(limit: Limit, cost: int, label: str, metrics: Metrics, limiter: 
         decisions=Children(metrics.decisions, ("decision",), route=label, limit=limit.name).export(
             *((outcome,) for outcome in rate_limit_outcomes(limit))
         ),
+        charged=metrics.cost.labels(route=label, limit=limit.name),
         rejection=Rejection.of(limit),
         classified=limit.tiers is not None or limit.allow is not None,
         prepared=now,

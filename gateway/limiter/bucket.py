@@ -149,6 +149,14 @@ def _charged(state: State, spec: Spec) -> State:
     return BucketState(tokens=state.tokens - spec.cost, stamp=state.stamp)
 
 
+def refunded(state: BucketState, capacity: float, tokens: float) -> BucketState:
+    """`tokens` given back to a bucket as of its own stamp, never past `capacity`: it then
+    holds no more than it would had they never been charged (`lua/token_refund.lua`). A
+    settlement that charged less than was reserved gives back the difference this way; one
+    that charged more is an owed check of the difference (`check`, `BucketSpec.owed`)."""
+    return BucketState(tokens=min(capacity, state.tokens + tokens), stamp=state.stamp)
+
+
 @dataclass(frozen=True, slots=True)
 class LeaseOutcome:
     allowed: bool

@@ -67,6 +67,7 @@ from gateway.limiter.outcomes import (
     NO_ROOM,
     SKIPPED,
 )
+from gateway.limiter.settlement import Settlements
 from gateway.limiter.store import (
     BucketReading,
     LimitCheck,
@@ -100,8 +101,9 @@ class Limiter:
     (`gateway.limiter.denial_cache`), one client's concurrent checks reach the
     store in waves (`gateway.limiter.client_waves`), and a store that keeps failing
     is left alone for a while (`gateway.limiter.circuit_breaker`).
-    `on_breaker_change` is told each new breaker state, for the metric, and
-    `on_lease_release_failed` of each concurrency lease left to its TTL."""
+    `on_breaker_change` is told each new breaker state, for the metric,
+    `on_lease_release_failed` of each concurrency lease left to its TTL, and `on_settlement`
+    of each settlement's outcome (`gateway.limiter.settlement`)."""
 
     def __init__(
         self,
@@ -111,6 +113,7 @@ class Limiter:
         shared_store: bool = False,
         on_breaker_change: Callable[[BreakerState], None] | None = None,
         on_lease_release_failed: Callable[[], None] | None = None,
+        on_settlement: Callable[[str], None] | None = None,
         resets: WorkerResets | None = None,
         local_store: Callable[..., MemoryStore] = MemoryStore,
         clock: Callable[[], float] = time.monotonic,
@@ -140,6 +143,8 @@ class Limiter:
         self._refunds: set[asyncio.Future[None]] = set()  # the event loop holds tasks only weakly
         # (limit name, identity) of each denial, for the admin API's top limited clients.
         self.top_limited = TopLimited(now=clock())
+        # Costs the response said, settled where their reservations were charged.
+        self.settlements = Settlements(store, self._local_store, self.breaker, self._local_check, on_outcome=on_settlement, clock=clock)
         # Concurrency limits: leases in the same store, behind the same breaker.
         self.concurrency = Concurrency(
             store,
@@ -303,6 +308,7 @@ class Limiter:
             await asyncio.wait(self._refunds, timeout=SETTLE_SECONDS)
         for task in list(self._refunds):
             task.cancel()
+        await self.settlements.close(SETTLE_SECONDS)
         await self.concurrency.settle()
 
     def _denied_after_leases(

@@ -22,6 +22,7 @@ check raises `StoreFull` and nothing is charged.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import os
 import time
@@ -181,6 +182,21 @@ class MemoryStore:
             wait=outcome.wait,
             resets=outcome.resets,
         )
+
+    async def settle(self, check: LimitCheck, delta: int) -> None:
+        self.settle_now(check, delta)
+
+    def settle_now(self, check: LimitCheck, delta: int) -> None:
+        """`settle`, for callers that cannot await (the limiter's stand-in). A bucket no longer
+        held is full, and a refund leaves it so; its time to be full again stays as its last
+        charge set it, which a refund only brings closer."""
+        if delta > 0:
+            self.check_now((dataclasses.replace(check, cost=delta, owed=True, max_delay=0.0, prepared=None),))
+            return
+        bucket_id = (check.limit.name, identity_digest(self._secret, check.identity))
+        held = self._buckets.get(bucket_id)
+        if delta < 0 and held is not None and isinstance(held[0], bucket.BucketState):
+            self._buckets[bucket_id] = (bucket.refunded(held[0], check.limit.burst, -delta), held[1])
 
     async def read(self, limit: Limit, identity: str) -> BucketReading:
         now = self._clock()

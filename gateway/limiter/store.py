@@ -177,6 +177,11 @@ class Store(Protocol):
     async def check(self, checks: Sequence[LimitCheck]) -> StoreDecision:
         """Check all buckets and charge them all, or none but the owed ones. Raises StoreError."""
 
+    async def settle(self, check: LimitCheck, delta: int) -> None:
+        """Settle a cost the response said, `delta` past the `check.cost` reserved for it (a token
+        bucket's), in one atomic step: less (`delta` < 0) goes back, never past the capacity;
+        more is an owed charge, into debt. Raises StoreError."""
+
     async def acquire(self, lease: LeaseCheck) -> LeaseDecision:
         """Take the lease if fewer than the limit's concurrency are live, or renew it if held
         (gateway.limiter.leases). Raises StoreError."""

@@ -34,6 +34,7 @@ from gateway.proxy.bounded_protocol import ClientLimitExceeded, hung_up
 from gateway.proxy.header_rewrite import rewrite_headers
 from gateway.proxy.problem import RETRY_AFTER_ONE, Problem, problem_response
 from gateway.proxy.relayed_response import ArrivedResponse, RelayedResponse
+from gateway.proxy.response_cost import CostMeter
 from gateway.proxy.route_plan import PoolPlan, RoutePlan, TargetPlan
 from gateway.proxy.upstreams import Upstream
 from gateway.proxy.websocket import WebSocketConnectFailed, proxy_websocket
@@ -97,7 +98,7 @@ class HttpAttempt:
     """An HTTP request's attempt (an `Attempt`, tried on each target in turn): send it, and
     relay the answer as it streams."""
 
-    __slots__ = ("body", "headers", "host", "length", "limit_headers", "plan", "record", "request", "rest")
+    __slots__ = ("body", "headers", "host", "length", "limit_headers", "meter", "plan", "record", "request", "rest")
 
     def __init__(
         self,
@@ -110,9 +111,13 @@ class HttpAttempt:
         length: int | None,
         limit_headers: dict[str, str],
         record: AccessRecord,
+        meter: CostMeter | None = None,
     ) -> None:
+        """`meter`: reads the response's cost as it is relayed, and settles it before the last
+        bytes go, so the client's next request finds it settled (gateway.proxy.response_cost)."""
         self.request, self.plan, self.rest, self.headers, self.host = request, plan, rest, headers, host
         self.body, self.length, self.limit_headers, self.record = body, length, limit_headers, record
+        self.meter = meter
 
     async def __call__(self, target: TargetPlan, upstream: Upstream, remaining: float | None) -> web.StreamResponse:
         # timeout.total bounds the whole exchange, the relay of the body included.
@@ -169,14 +174,28 @@ class HttpAttempt:
                 # To HTTP/1.0 such a body ends with the connection; aiohttp would keep a
                 # keep-alive client's open, and the client would wait out keepalive_timeout.
                 response.force_close()
+            meter = self.meter
+            if meter is not None:
+                meter.head(upstream.headers)
             await response.prepare(request)
             try:
                 if arrived:
-                    await response.write_eof(upstream.take())
+                    body = upstream.take()
+                    if meter is not None:
+                        meter.feed(body)
+                        await meter.finish()
+                    await response.write_eof(body)
                     return response
                 async with _until(deadline):
-                    while chunk := await upstream.read():
-                        await response.write(chunk)
+                    if meter is None:
+                        while chunk := await upstream.read():
+                            await response.write(chunk)
+                    else:
+                        while chunk := await upstream.read():
+                            meter.feed(chunk)
+                            await response.write(chunk)
+                if meter is not None:  # past timeout.total's reach: the body has all come
+                    await meter.finish()
             except TimeoutError:
                 # Past timeout.total with the status line gone: all that is left is to cut the connection.
                 outcome = Outcome.TIMEOUT

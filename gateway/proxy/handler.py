@@ -23,8 +23,10 @@ from multidict import CIMultiDict
 
 from gateway.config.model import GatewayConfig
 from gateway.decision.core import Decider
+from gateway.decision.settle import Reservations
 from gateway.identity.methods import method_label
 from gateway.identity.values import IdentityRejected
+from gateway.limiter.concurrency import Admission
 from gateway.metrics import STATUS_CLASSES, Metrics
 from gateway.proxy.access_log import ACCESS_RECORD, AccessRecord, request_id
 from gateway.proxy.asked_identities import lease_identities, rate_identities
@@ -44,6 +46,7 @@ from gateway.proxy.request_body import (
     read_ahead,
     send_continue,
 )
+from gateway.proxy.response_cost import CostMeter
 from gateway.proxy.route_plan import Plans, RoutePlan, compile_plans
 from gateway.proxy.routing import ConditionRejected
 from gateway.proxy.upstreams import Upstream
@@ -244,7 +247,7 @@ class ProxyHandler:
         decision = plan.decision
         if not decision.limits and not decision.concurrency:
             # Nothing to decide: nothing asked, nothing timed.
-            return await self._proxy_for_client(request, plan, plans, path, decision.fields.fixed, record)
+            return await self._proxy_for_client(request, plan, plans, path, decision.fields.fixed, record, None)
         try:
             identities, held = rate_identities(request, plan, plans.identity, record)
             leases = lease_identities(request, plan, plans.identity, record) if decision.concurrency else None
@@ -261,13 +264,33 @@ class ProxyHandler:
             record.admission, record.lease_identities = admission, leases
         if verdict.refusal is not None:
             return refused(verdict.refusal)
+        if not decision.metered:
+            return await self._admitted(request, plan, plans, path, verdict.fields, record, admission, None)
+        meter = CostMeter(Reservations(decision, verdict, self._decider.limiter.settlements))
+        try:
+            return await self._admitted(request, plan, plans, path, verdict.fields, record, admission, meter)
+        finally:
+            # A response relayed to its end was settled before its last bytes; any other end settles here.
+            await meter.finish()
+
+    async def _admitted(
+        self,
+        request: web.BaseRequest,
+        plan: RoutePlan,
+        plans: Plans,
+        path: NormalPath,
+        limit_headers: dict[str, str],
+        record: AccessRecord,
+        admission: Admission | None,
+        meter: CostMeter | None,
+    ) -> web.StreamResponse:
         if admission is None:
-            return await self._proxy_for_client(request, plan, plans, path, verdict.fields, record)
-        in_flight = [cp.in_flight for cp in decision.concurrency]
+            return await self._proxy_for_client(request, plan, plans, path, limit_headers, record, meter)
+        in_flight = [cp.in_flight for cp in plan.decision.concurrency]
         for gauge in in_flight:
             gauge.inc()
         try:
-            return await self._proxy_for_client(request, plan, plans, path, verdict.fields, record)
+            return await self._proxy_for_client(request, plan, plans, path, limit_headers, record, meter)
         finally:
             # However the response ended: complete, the client gone, the upstream failed, a WebSocket closed.
             admission.release()
@@ -282,6 +305,7 @@ class ProxyHandler:
         path: NormalPath,
         limit_headers: dict[str, str],
         record: AccessRecord,
+        meter: CostMeter | None,
     ) -> web.StreamResponse:
         if request.transport is None:
             return self._client_closed(plan)  # it hung up while the limiter decided: the upstream never hears of it
@@ -290,6 +314,8 @@ class ProxyHandler:
         headers["X-Request-ID"] = record.request_id
         if is_websocket_upgrade(request):
             # A WebSocket's end is its own close frame or connection, handled by its relay.
+            if meter is not None:
+                meter.unread()  # its frames are not read: each limit is charged its `missing`
             attempt = websocket_attempt(request, plan, rest, headers, limit_headers, record)
             try:
                 return await forward(plan, attempt, limit_headers, record)
@@ -301,7 +327,7 @@ class ProxyHandler:
         assert task is not None  # a handler runs in its request's task
         request[CANCEL_ON_HANGUP] = task
         try:
-            return await self._proxy(request, plan, rest, headers, limit_headers, record)
+            return await self._proxy(request, plan, rest, headers, limit_headers, record, meter)
         except asyncio.CancelledError:
             if not hung_up(request):
                 raise  # a shutdown's cancel, not the client's
@@ -322,8 +348,10 @@ class ProxyHandler:
         headers: CIMultiDict[str],
         limit_headers: dict[str, str],
         record: AccessRecord,
+        meter: CostMeter | None,
     ) -> web.StreamResponse:
-        """An HTTP request (not a WebSocket handshake): its body, then the upstream or pool."""
+        """An HTTP request (not a WebSocket handshake): its body, then the upstream or pool.
+        `meter`: reads the response's cost as it is relayed (gateway.proxy.response_cost)."""
         body: RequestBody = request.content if request.body_exists else None
         try:
             if awaiting_continue(request):
@@ -351,7 +379,7 @@ class ProxyHandler:
         else:
             length = request.content_length
         host = request.headers.get("Host") if plan.preserve_host else None
-        attempt = HttpAttempt(request, plan, rest, headers, host, body, length, limit_headers, record)
+        attempt = HttpAttempt(request, plan, rest, headers, host, body, length, limit_headers, record, meter)
         return await forward(plan, attempt, limit_headers, record)
 
 

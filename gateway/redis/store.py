@@ -26,6 +26,7 @@ failure leaves here as `StoreError`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 from collections.abc import Awaitable, Sequence
@@ -209,6 +210,15 @@ class RedisStore:
         _, capacity, *_ = _script_args(check)
         (key,) = self._keys((check,), secret)
         await self._scripts.refund.call(self._redis, key_slot(key), (key,), (capacity, str(tokens).encode()))
+
+    async def settle(self, check: LimitCheck, delta: int) -> None:
+        """One bucket, so one slot and one script call: more than reserved is an owed check of
+        the difference (`lua/token_bucket.lua`, whose TTL then covers the refill from the debt),
+        less is a refund of it (`lua/token_refund.lua`), capped at the capacity."""
+        if delta > 0:
+            await self.check((dataclasses.replace(check, cost=delta, owed=True, max_delay=0.0, prepared=None),))
+        elif delta < 0:
+            await self.refund(check, -delta)
 
     async def read(self, limit: Limit, identity: str) -> BucketReading:
         key = await self._admin_key(limit, identity)

@@ -35,6 +35,7 @@ SECTIONS = {
     ("_store", "'store'"): ("`store`", ""),
     ("_limit", "path"): ("`limits.NAME`", ""),
     ("_quota", "path"): ("`limits.NAME`", "quota."),
+    ("parse_response_cost", "path"): ("`limits.NAME`", "cost."),
     ("_tiers", "path"): ("`limits.NAME`", "tiers."),
     ("_tiers", "where"): ("`limits.NAME`", "tiers.TIER."),
     ("_tiers", "f'{path}.from'"): ("`limits.NAME`", "tiers.from."),

@@ -1,0 +1,264 @@
+"""Costs the response says, through gateway processes started as users start them, on a
+real redis-server, in front of a real aiohttp upstream that reports each request's units
+in a header (`X-Usage-Units`, from the request's `?units=`, or at random).
+
+- A reservation the bucket cannot hold: 429 with the RateLimit fields.
+- Less than reserved: the difference goes back, exactly; more: the bucket goes into debt,
+  the admin API shows it, the key's TTL covers it, and the next request is refused.
+- Redis paused while a response is settled: the settlement is sent, not answered, and
+  not sent again (`unconfirmed`), and applied once when Redis wakes.
+- Two gateways on one Redis, 50 concurrent clients of one key until each is refused: the
+  units Redis was charged equal the sum the upstream reported for the requests it answered,
+  and that sum exceeds the budget by no more than the bound docs/limit-policies.md states.
+
+Limits refill one unit a year, so what Redis holds is what was charged, to within a
+millionth of a unit. The refill past zero, exact on an injected clock, is in test_settlement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tests.processes import GatewayProcess, RedisServer, eventually, free_port, gateway_fleet
+from tests.scrape import scrape, value
+from tests.upstream import serving
+
+BURST = 1000
+RESERVE = 20
+CLIENTS = 50
+MAX_UNITS = 2 * RESERVE  # the fleet test's upstream reports 0 to this many
+
+CONFIG = """
+store: {{url: "{url}"}}
+limits:
+  tokens:
+    rate: 1/year
+    burst: {burst}
+    key: header:X-API-Key
+    cost: {{from: "header:X-Usage-Units", reserve: {reserve}, missing: {reserve}}}
+routes:
+  - match: {{path: /}}
+    upstream: {upstream}
+    limits: [tokens]
+"""
+
+
+class Upstream:
+    """Answers each request with `?units=` units, or a random number up to MAX_UNITS, in
+    X-Usage-Units, and keeps the sum of what it reported."""
+
+    def __init__(self) -> None:
+        self.reported = 0
+        self.answered = 0
+        self.before_answer: asyncio.Event | None = None  # set: the next answer waits for it
+        self.waiting = asyncio.Event()
+
+    async def handle(self, request: web.BaseRequest) -> web.Response:
+        given = request.query.get("units")
+        units = random.randint(0, MAX_UNITS) if given is None else int(given) if given.isdigit() else 0
+        if self.before_answer is not None:
+            self.waiting.set()
+            await self.before_answer.wait()
+        self.reported += units
+        self.answered += 1
+        return web.Response(text="ok", headers={"X-Usage-Units": given if given and not given.isdigit() else str(units)})
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[tuple[Upstream, str]]:
+    answering = Upstream()
+    async with serving(answering.handle) as url:
+        yield answering, url
+
+
+@pytest.fixture
+def redis_server():
+    with RedisServer() as server:
+        yield server
+
+
+def config(redis_server: RedisServer, upstream_url: str) -> str:
+    return CONFIG.format(url=redis_server.url, burst=BURST, reserve=RESERVE, upstream=upstream_url)
+
+
+async def bucket(http: aiohttp.ClientSession, gateway: GatewayProcess, key: str) -> dict:
+    async with http.get(f"{gateway.admin_url}/buckets/tokens?source=header:X-API-Key&value={key}") as response:
+        assert response.status == 200
+        return await response.json()
+
+
+async def test_refund_debt_ttl_and_refusal(redis_server, upstream):
+    _, upstream_url = upstream
+    with GatewayProcess(config(redis_server, upstream_url)) as gateway:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(gateway.url + "/?units=3", headers={"X-API-Key": "k"}) as response:
+                assert response.status == 200
+                assert response.headers["X-Usage-Units"] == "3"
+            assert (await bucket(http, gateway, "k"))["tokens"] == pytest.approx(BURST - 3, abs=1e-6)
+
+            async with http.get(gateway.url + f"/?units={BURST + 50}", headers={"X-API-Key": "k"}) as response:
+                assert response.status == 200
+            found = await bucket(http, gateway, "k")
+            assert found["tokens"] == pytest.approx(-53, abs=1e-6)
+            assert found["debt"] == pytest.approx(53, abs=1e-6)
+            year = 365 * 86400
+            assert found["debt_clears_in_seconds"] == pytest.approx(53 * year, rel=1e-6)
+            # The key outlives the refill from its debt.
+            assert redis_server.client().pttl(found["key"]) >= (BURST + 53) * year * 1000 - 1000
+
+            async with http.get(gateway.url + "/?units=0", headers={"X-API-Key": "k"}) as response:
+                assert response.status == 429
+                assert int(response.headers["Retry-After"]) >= (53 + RESERVE) * year - 1
+                assert response.headers["RateLimit"].startswith('"tokens";r=0')
+                assert "RateLimit-Policy" in response.headers
+                problem = await response.json(content_type=None)
+                assert problem["violated-policies"] == ["tokens"]
+
+            _, samples = await scrape(http, gateway.admin_url)
+            assert value(samples, "gateway_limiter_cost_total", limit="tokens") == 3 + BURST + 50
+            assert value(samples, "gateway_limiter_settlements_total", outcome="settled") == 2
+            assert value(samples, "gateway_limiter_settlements_total", outcome="lost") == 0
+
+
+async def test_redis_paused_at_settlement_is_unconfirmed_and_applied_once(redis_server, upstream):
+    answering, upstream_url = upstream
+    with GatewayProcess(config(redis_server, upstream_url)) as gateway:
+        async with aiohttp.ClientSession() as http:
+            answering.before_answer = asyncio.Event()
+            request = asyncio.ensure_future(http.get(gateway.url + "/?units=70", headers={"X-API-Key": "k"}))
+            await answering.waiting.wait()  # reserved; the answer comes once Redis is paused
+            redis_server.pause()
+            try:
+                answering.before_answer.set()
+                response = await request
+                assert response.status == 200
+                response.release()
+            finally:
+                redis_server.resume()
+            _, samples = await scrape(http, gateway.admin_url)
+            assert value(samples, "gateway_limiter_settlements_total", outcome="unconfirmed") == 1
+            assert value(samples, "gateway_limiter_cost_total", limit="tokens") == RESERVE  # all it knows charged
+            assert (await bucket(http, gateway, "k"))["tokens"] == pytest.approx(BURST - 70, abs=1e-6)
+
+
+async def test_two_gateways_fifty_clients_settle_exactly_within_the_overshoot(redis_server, upstream):
+    answering, upstream_url = upstream
+    admitted_units: list[int] = []
+    with gateway_fleet(config(redis_server, upstream_url), 2) as gateways:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CLIENTS * 2)) as http:
+
+            async def client(i: int) -> None:
+                gateway = gateways[i % 2]
+                while True:
+                    async with http.get(gateway.url + "/", headers={"X-API-Key": "shared"}) as response:
+                        await response.read()
+                        if response.status == 429:
+                            return
+                        assert response.status == 200
+                        admitted_units.append(int(response.headers["X-Usage-Units"]))
+
+            await asyncio.gather(*(client(i) for i in range(CLIENTS)))
+            reported = sum(admitted_units)
+            assert reported == answering.reported and len(admitted_units) == answering.answered
+            charged = BURST - (await bucket(http, gateways[0], "shared"))["tokens"]
+            # Every unit the upstream reported was settled in Redis, once.
+            assert charged == pytest.approx(reported, abs=1e-3)
+            # Within the budget, plus what the requests in flight could cost beyond their reservations.
+            overshoot = reported - BURST
+            assert overshoot <= CLIENTS * (MAX_UNITS - RESERVE), (reported, len(admitted_units))
+            totals = 0.0
+            for gateway in gateways:
+                _, samples = await scrape(http, gateway.admin_url)
+                totals += value(samples, "gateway_limiter_cost_total", limit="tokens")
+                assert value(samples, "gateway_limiter_settlements_total", outcome="unconfirmed") == 0
+            assert totals == reported
+    print(f"admitted {len(admitted_units)} requests costing {reported} units against a burst of {BURST}: overshoot {overshoot}")
+
+
+async def test_no_answer_gives_the_reservation_back_and_silence_costs_missing(redis_server, upstream):
+    _, upstream_url = upstream
+    text = f"""
+store: {{url: "{redis_server.url}"}}
+limits:
+  tokens:
+    rate: 1/year
+    burst: {BURST}
+    key: header:X-API-Key
+    cost: {{from: "header:X-Usage-Units", reserve: {RESERVE}}}
+  by_bytes:
+    rate: 1/year
+    burst: {BURST}
+    key: header:X-API-Key
+    cost: {{from: response-bytes, reserve: {RESERVE}}}
+routes:
+  - match: {{path: /down}}
+    upstream: http://127.0.0.1:{free_port()}
+    limits: [tokens]
+  - match: {{path: /bytes}}
+    upstream: {upstream_url}
+    limits: [by_bytes]
+  - match: {{path: /}}
+    upstream: {upstream_url}
+    limits: [tokens]
+"""
+    with GatewayProcess(text) as gateway:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(gateway.url + "/down", headers={"X-API-Key": "k"}) as response:
+                assert response.status == 502  # nothing listens: no answer, nothing charged
+            found = await bucket(http, gateway, "k")
+            assert found["tokens"] == pytest.approx(BURST, abs=1e-6)
+            async with http.get(gateway.url + "/?units=not-a-number", headers={"X-API-Key": "k"}) as response:
+                assert response.status == 200  # the upstream says nothing the gateway can read
+            assert (await bucket(http, gateway, "k"))["tokens"] == pytest.approx(BURST - RESERVE, abs=1e-6)  # `missing`
+            async with http.get(gateway.url + "/bytes?units=7", headers={"X-API-Key": "b"}) as response:
+                assert await response.read() == b"ok"
+            async with http.get(f"{gateway.admin_url}/buckets/by_bytes?source=header:X-API-Key&value=b") as response:
+                assert (await response.json())["tokens"] == pytest.approx(BURST - 2, abs=1e-6)  # the 2 bytes relayed
+
+
+async def test_a_client_gone_mid_stream_is_charged_the_bytes_relayed(redis_server):
+    burst, piece = 10_000_000, 65536
+    release = asyncio.Event()
+
+    async def streaming(request: web.BaseRequest) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"x" * piece)
+        await release.wait()  # the rest would come after the client has gone
+        await response.write(b"x" * piece)
+        return response
+
+    async with serving(streaming) as upstream_url:
+        text = f"""
+store: {{url: "{redis_server.url}"}}
+limits:
+  by_bytes: {{rate: 1/year, burst: {burst}, key: header:X-API-Key, cost: {{from: response-bytes, reserve: {RESERVE}}}}}
+routes:
+  - match: {{path: /}}
+    upstream: {upstream_url}
+    limits: [by_bytes]
+"""
+        with GatewayProcess(text) as gateway:
+            async with aiohttp.ClientSession() as http:
+                async with http.get(gateway.url + "/", headers={"X-API-Key": "k"}) as response:
+                    assert len(await response.content.readexactly(piece)) == piece
+                    response.close()  # gone mid-stream
+                samples: list = []
+
+                async def settled() -> bool:
+                    samples[:] = (await scrape(http, gateway.admin_url))[1]
+                    return value(samples, "gateway_limiter_settlements_total", outcome="settled") == 1
+
+                try:
+                    await eventually(settled, what="the settlement of the request cut off")
+                finally:
+                    release.set()
+                assert value(samples, "gateway_limiter_cost_total", limit="by_bytes") == piece
+                async with http.get(f"{gateway.admin_url}/buckets/by_bytes?source=header:X-API-Key&value=k") as reading:
+                    assert (await reading.json())["tokens"] == pytest.approx(burst - piece, abs=1e-3)
