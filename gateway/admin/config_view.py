@@ -282,7 +282,7 @@ class _View:
                 tiers[name] = {"rate": tier.rate.text, "burst": _number(tier.burst)}
             doc["tiers"] = tiers
         if limit.cost is not None:
-            doc["cost"] = {"from": limit.cost.source, "reserve": limit.cost.reserve}
+            doc["cost"] = {"from": str(limit.cost.source), "reserve": limit.cost.reserve}
             self.put(doc["cost"], f"{path}.cost", "missing", limit.cost.missing, limit.cost.missing == limit.cost.reserve)
         if limit.allow is not None:
             allow = [str(network) for network in limit.allow.networks]

@@ -17,6 +17,7 @@ from gateway.config.pool_model import UpstreamPool
 from gateway.config.regex import Regex
 from gateway.config.store_url import StoreTarget, parse_store_url
 from gateway.config.units import Address, Rate
+from gateway.config.usage import UsageSource
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 # Identity sources every request has: entries after one of them in a `key` list are never read.
@@ -184,7 +185,7 @@ class ResponseCost:
     is taken before forwarding, with the route's other limits, all or nothing; when the
     response has ended, what it says less `reserve` is settled (gateway.limiter.settlement)."""
 
-    source: str  # as written: json:PATH, sse-json:PATH, header:NAME (lower case) or response-bytes
+    source: UsageSource  # json:PATH, sse-json:PATH, header:NAME or response-bytes (str() spells it)
     reserve: int  # taken before the request; at most the burst
     missing: int  # charged when the response does not say
 

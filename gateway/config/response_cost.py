@@ -9,16 +9,11 @@ reader's.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from gateway.config.http_names import HTTP_TOKEN_RE
 from gateway.config.model import ResponseCost
 from gateway.config.reader import _Reader
-
-# A member path in a JSON body: names separated by dots, as `usage.total_tokens`.
-_JSON_PATH_RE = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
-SOURCES = "json:PATH, sse-json:PATH, header:NAME or response-bytes"
+from gateway.config.usage import UsageSource, parse_usage_source
 
 
 def parse_response_cost(doc: Any, path: str, burst: float, r: _Reader) -> ResponseCost:
@@ -36,17 +31,9 @@ def parse_response_cost(doc: Any, path: str, burst: float, r: _Reader) -> Respon
     return ResponseCost(source=source, reserve=reserve, missing=missing)
 
 
-def _source(value: Any, path: str, r: _Reader) -> str:
+def _source(value: Any, path: str, r: _Reader) -> UsageSource:
     text = r.string(value, path)
-    if text == "response-bytes":
-        return text
-    kind, sep, name = text.partition(":")
-    if not sep or not name or kind not in ("json", "sse-json", "header"):
-        r.fail(path, f"expected {SOURCES}, got {text!r}")
-    if kind == "header":
-        if not HTTP_TOKEN_RE.match(name):
-            r.fail(path, f"{name!r} is not a valid header name")
-        return f"header:{name.lower()}"
-    if not _JSON_PATH_RE.match(name):
-        r.fail(path, f"expected a member path such as usage.total_tokens, got {name!r}")
-    return text
+    try:
+        return parse_usage_source(text)
+    except ValueError as exc:
+        r.fail(path, str(exc))

@@ -97,8 +97,10 @@ class UsageSource:
         encoding = _header(headers, "Content-Encoding")
         if encoding is not None and encoding.strip().lower() not in ("", "identity"):
             return _Silent()
-        if self.kind == "json":
+        if self.kind == "json" and not _event_stream(headers):
             return _JsonText(self)
+        # sse-json, or json: answered as a server-sent stream (an OpenAI-style API answers
+        # either on one path, as the request's `stream` asks), read at the same path.
         return _SseReader(self)
 
 
@@ -122,6 +124,11 @@ def parse_usage_source(text: str) -> UsageSource:
         raise ValueError(f"expected a path of at most {MAX_PATH_KEYS} keys of at most {MAX_KEY} characters, got {argument[:80]!r}")
     raw = tuple(json.dumps(key, ensure_ascii=False).encode() for key in keys)
     return UsageSource(kind, argument, tuple(keys), raw)
+
+
+def _event_stream(headers: Headers) -> bool:
+    content_type = _header(headers, "Content-Type")
+    return content_type is not None and content_type.partition(";")[0].strip().lower() == "text/event-stream"
 
 
 def _header(headers: Headers, name: str) -> str | None:

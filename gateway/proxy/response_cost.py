@@ -20,53 +20,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import Protocol
 
+from gateway.config.usage import UsageReader
 from gateway.decision.settle import Reservations
 
 
-class UsageReader(Protocol):
-    """What reads one limit's cost from a response: fed each body chunk as it is relayed."""
-
-    def feed(self, chunk: bytes) -> None: ...
-
-    def result(self) -> int | None:
-        """The cost the response said so far, or None if it has said none."""
-
-
-class _HeaderUnits:
-    """`header:NAME`: the response header's value, a whole number of units; a value that is
-    not one says nothing."""
-
-    __slots__ = ("_units",)
-
-    def __init__(self, value: str | None) -> None:
-        self._units = int(value) if value is not None and value.isascii() and value.isdigit() and len(value) <= 18 else None
-
-    def feed(self, chunk: bytes) -> None:
-        pass
-
-    def result(self) -> int | None:
-        return self._units
-
-
-class _ResponseBytes:
-    """`response-bytes`: the body bytes relayed."""
-
-    __slots__ = ("_bytes",)
-
-    def __init__(self) -> None:
-        self._bytes = 0
-
-    def feed(self, chunk: bytes) -> None:
-        self._bytes += len(chunk)
-
-    def result(self) -> int | None:
-        return self._bytes
-
-
 class _Unread:
-    """A source this module does not read (the body's usage, `json:` and `sse-json:`): says nothing."""
+    """The reader of a body that is not read (a WebSocket's frames): it says nothing, so
+    the limit is charged its `missing`."""
 
     __slots__ = ()
 
@@ -77,26 +38,16 @@ class _Unread:
         return None
 
 
-def open_reader(source: str, headers: Mapping[str, str]) -> UsageReader:
-    """The reader of `source` (as the config wrote it) for a response with `headers`."""
-    if source == "response-bytes":
-        return _ResponseBytes()
-    kind, _, name = source.partition(":")
-    if kind == "header":
-        return _HeaderUnits(headers.get(name))
-    return _Unread()
-
-
 class CostMeter:
     __slots__ = ("_readers", "_reservations")
 
     def __init__(self, reservations: Reservations) -> None:
         self._reservations = reservations
-        self._readers: list[UsageReader] | None = None  # None until the upstream's head came
+        self._readers: list[UsageReader | _Unread] | None = None  # None until the upstream's head came
 
     def head(self, headers: Mapping[str, str]) -> None:
         """The upstream answered with `headers`: its body is read from here on."""
-        self._readers = [open_reader(cost.source, headers) for cost in self._reservations.costs]
+        self._readers = [cost.source.reader(headers) for cost in self._reservations.costs]
 
     def unread(self) -> None:
         """The upstream answered, but its body is not read (a WebSocket's frames): `missing` each."""

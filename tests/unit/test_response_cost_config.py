@@ -8,8 +8,9 @@ import pytest
 from gateway.cli import describe
 from gateway.config import parse_config
 from gateway.config.model import ResponseCost
+from gateway.config.usage import parse_usage_source
 from tests.helpers import error_of
-from tests.test_config_view import round_trip
+from tests.unit.test_config_view import round_trip
 
 LIMIT = """
 limits:
@@ -32,10 +33,10 @@ def text(cost: str = "{from: json:usage.total_tokens, reserve: 1000}", extra: st
 def test_a_response_cost_reserves_and_is_explained():
     config = parse_config(text("{from: 'header:X-Usage-Units', reserve: 1000, missing: 500}"), source="t.yaml", environ={})
     limit = config.limits[0]
-    assert limit.cost == ResponseCost(source="header:x-usage-units", reserve=1000, missing=500)
+    assert limit.cost == ResponseCost(source=parse_usage_source("header:X-Usage-Units"), reserve=1000, missing=500)
     assert config.routes[0].limits[0].cost == 1000  # the check before forwarding takes the reservation
     assert (
-        "cost from header:x-usage-units: reserves 1000 before forwarding, settles the difference after the response "
+        "cost from header:X-Usage-Units: reserves 1000 before forwarding, settles the difference after the response "
         "(into debt when more), 500 when the response does not say"
     ) in describe(config)
     assert parse_config(text(), source="t.yaml", environ={}).limits[0].cost.missing == 1000  # default: the reservation
@@ -47,7 +48,7 @@ def test_a_response_cost_reserves_and_is_explained():
         ("{from: 'xml:usage', reserve: 1}", "", "tokens",
          "limits.tokens.cost.from: expected json:PATH, sse-json:PATH, header:NAME or response-bytes, got 'xml:usage'"),
         ("{from: 'json:usage..total', reserve: 1}", "", "tokens",
-         "limits.tokens.cost.from: expected a member path such as usage.total_tokens, got 'usage..total'"),
+         "limits.tokens.cost.from: expected a dotted path of keys after 'json:' such as usage.total_tokens, got 'usage..total'"),
         ("{from: response-bytes}", "", "tokens",
          "limits.tokens.cost: `reserve` is required: the units taken before forwarding, settled when the response says its cost"),
         ("{from: response-bytes, reserve: 30000}", "", "tokens",

@@ -18,6 +18,7 @@ millionth of a unit. The refill past zero, exact on an injected clock, is in tes
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import AsyncIterator
 
@@ -262,3 +263,67 @@ routes:
                 assert value(samples, "gateway_limiter_cost_total", limit="by_bytes") == piece
                 async with http.get(f"{gateway.admin_url}/buckets/by_bytes?source=header:X-API-Key&value=k") as reading:
                     assert (await reading.json())["tokens"] == pytest.approx(burst - piece, abs=1e-3)
+
+
+class LlmUpstream:
+    """An OpenAI-style upstream: each answer costs a random number of tokens, up to
+    MAX_UNITS, said in `usage.total_tokens`: of a JSON completion, or of the last event of a
+    server-sent stream (when the request asks `stream`), as OpenAI sends it with
+    `stream_options.include_usage`. Keeps the sum of what it reported."""
+
+    def __init__(self) -> None:
+        self.reported = 0
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        asked = await request.json()
+        tokens = random.randint(0, MAX_UNITS)
+        self.reported += tokens
+        usage = {"prompt_tokens": tokens // 2, "completion_tokens": tokens - tokens // 2, "total_tokens": tokens}
+        if not asked.get("stream"):
+            return web.json_response({"object": "chat.completion", "choices": [{"index": 0}], "usage": usage})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for word in ("a", "b", "c"):
+            chunk = {"object": "chat.completion.chunk", "choices": [{"delta": {"content": word}}], "usage": None}
+            await response.write(b"data: %s\n\n" % json.dumps(chunk).encode())
+        last = {"object": "chat.completion.chunk", "choices": [], "usage": usage}
+        await response.write(b"data: %s\n\ndata: [DONE]\n\n" % json.dumps(last).encode())
+        await response.write_eof()
+        return response
+
+
+def said_tokens(body: bytes, streamed: bool) -> int:
+    """What the client read of its usage: the JSON's, or the last event's that has one."""
+    if not streamed:
+        return json.loads(body)["usage"]["total_tokens"]
+    events = [line[6:] for line in body.decode().split("\n") if line.startswith("data: ") and line != "data: [DONE]"]
+    return next(json.loads(e)["usage"]["total_tokens"] for e in reversed(events) if json.loads(e)["usage"])
+
+
+async def test_two_gateways_settle_an_llm_apis_tokens_from_json_and_streams_exactly(redis_server):
+    """The same limit reads `json:usage.total_tokens` from a JSON completion and from the
+    events of a stream on one path (an answer in text/event-stream is read as events)."""
+    llm = LlmUpstream()
+    tokens: list[int] = []
+    async with serving(llm.handle) as upstream_url:
+        text = config(redis_server, upstream_url).replace('"header:X-Usage-Units"', '"json:usage.total_tokens"')
+        with gateway_fleet(text, 2) as gateways:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CLIENTS * 2)) as http:
+
+                async def client(i: int) -> None:
+                    gateway, streamed = gateways[i % 2], i % 3 == 0
+                    while True:
+                        body = {"messages": [{"role": "user", "content": "hi"}], "stream": streamed}
+                        async with http.post(gateway.url + "/v1/chat/completions", json=body, headers={"X-API-Key": "llm"}) as response:
+                            answer = await response.read()
+                            if response.status == 429:
+                                return
+                            assert response.status == 200
+                            tokens.append(said_tokens(answer, streamed))
+
+                await asyncio.gather(*(client(i) for i in range(CLIENTS)))
+                charged = BURST - (await bucket(http, gateways[0], "llm"))["tokens"]
+    reported = sum(tokens)
+    assert reported == llm.reported  # every answer reached its client whole
+    assert charged == pytest.approx(reported, abs=1e-3)  # and was settled in Redis, once
+    assert reported - BURST <= CLIENTS * (MAX_UNITS - RESERVE), (reported, len(tokens))
