@@ -231,7 +231,8 @@ def test_check_accepts_the_shipped_configs():
     repo = Path(__file__).resolve().parents[2]
     # The reference config names its files relative to the clone's root, and needs its admin token.
     env = {"REDIS_URL": "redis://127.0.0.1:1/0", "GATEWAY_ADMIN_TOKEN": "0123456789abcdef0123"}
-    for path in (repo / "config" / "gateway.yaml", repo / "config" / "demo-redis.yaml", repo / "gateway" / "demo_config.yaml"):
+    shipped = ("config/gateway.yaml", "config/demo-redis.yaml", "config/llm-tokens.yaml", "gateway/demo_config.yaml")
+    for path in (repo / name for name in shipped):
         result = run_cli("check", "-c", str(path), env=env, cwd=repo)
         assert result.returncode == 0, result.stderr
         assert result.stdout.startswith(f"{path}: OK")
