@@ -2,9 +2,9 @@
 limit's failure policy when the store cannot answer.
 
 Trusts the store to be atomic and to raise only `StoreError`. When it does,
-each limit's `on_store_error` decides: `open` allows, `closed` rejects (the
-proxy answers 503), and `local` asks an in-process bucket whose rate and burst
-are the global ones divided by `store.local_divisor` × `workers`.
+each limit's `on_store_error` decides (gateway.limiter.failure_policies): `open`
+allows, `closed` rejects (the proxy answers 503), and `local` asks an in-process
+bucket whose rate and burst are the global ones divided by `store.local_divisor` × `workers`.
 
 Shadow limits (`shadow: true`) never decide a request. `check_with_shadow` sends
 the enforced limits in one all-or-nothing store check, as `check` does, and each
@@ -56,15 +56,14 @@ from gateway.limiter.decision import (
     leased,
     local_share,
     owes_charge,
-    policies_named,
 )
 from gateway.limiter.denial_cache import REFUNDING_STORE_MAX_HOLD, DenialCache
+from gateway.limiter.failure_policies import FAILURE_LOG_INTERVAL, FailurePolicies
 from gateway.limiter.memory_store import MemoryStore, StoreFull
 from gateway.limiter.outcomes import (
     ALLOW,
     FAILURE_OUTCOME,
     FAILURE_OUTCOMES,
-    NO_ROOM,
     SKIPPED,
 )
 from gateway.limiter.settlement import Settlements
@@ -83,9 +82,6 @@ from gateway.limiter.top_limited import TopLimited
 from gateway.limiter.worker_resets import WorkerResets
 
 log = logging.getLogger(__name__)
-
-# Store failures come in floods; one line a second says enough.
-FAILURE_LOG_INTERVAL = 1.0
 
 # What a check is told while the circuit breaker keeps it from the store.
 BREAKER_OPEN = StoreError("the store failed repeatedly; circuit breaker open")
@@ -138,13 +134,15 @@ class Limiter:
         self._waves = ClientWaves(seats=lambda checks, waited: check_seats(checks, waited, clock()))
         self._local_divisor = local_divisor
         self._local_store = local_store(clock=clock)
-        self._last_failure_log = -FAILURE_LOG_INTERVAL
+        self._policies = FailurePolicies(self._local_store, local_divisor, clock)
         self._last_refund_log = -FAILURE_LOG_INTERVAL
         self._refunds: set[asyncio.Future[None]] = set()  # the event loop holds tasks only weakly
         # (limit name, identity) of each denial, for the admin API's top limited clients.
         self.top_limited = TopLimited(now=clock())
         # Costs the response said, settled where their reservations were charged.
-        self.settlements = Settlements(store, self._local_store, self.breaker, self._local_check, on_outcome=on_settlement, clock=clock)
+        self.settlements = Settlements(
+            store, self._local_store, self.breaker, self._policies.local_check, on_outcome=on_settlement, clock=clock
+        )
         # Concurrency limits: leases in the same store, behind the same breaker.
         self.concurrency = Concurrency(
             store,
@@ -172,7 +170,7 @@ class Limiter:
         if not checks:
             return UNLIMITED
         if shed:
-            return self._by_policies(checks)
+            return self._policies.decide(checks)
         if self._resets is not None:
             self._apply_sibling_resets(self._resets)
         # The stand-in is checked only while the store fails: without this, the buckets of
@@ -187,9 +185,9 @@ class Limiter:
             try:
                 decision = decision_of(checks, await self.store.check(checks))
             except StoreError as exc:
-                decision = self._on_store_error(checks, exc)
+                decision = self._policies.on_store_error(checks, exc)
             except StoreFull as exc:
-                decision = self._no_room(checks, exc)
+                decision = self._policies.no_room(checks, exc)
         if not decision.allowed:  # an allowed request costs this one test
             now = self._clock()
             for c, status in zip(checks, decision.statuses):
@@ -248,9 +246,9 @@ class Limiter:
                     allowed=True, statuses=(LimitStatus(check.limit, check.cost, left, ALLOW),), retry_after=0.0, store_failed=False
                 )
             if not answered:  # the store failed the refill waited for
-                return self._on_store_error((check,), LEASE_REFILL_FAILED)
+                return self._policies.on_store_error((check,), LEASE_REFILL_FAILED)
             if failed is not None:
-                return self._on_store_error((check,), failed)
+                return self._policies.on_store_error((check,), failed)
             refill = leases.refilling(check)
             if refill is None:
                 break
@@ -342,21 +340,21 @@ class Limiter:
             if cached is not None:
                 return cached_denial(checks, cached)
         if failed is not None:
-            return self._on_store_error(checks, failed)
+            return self._policies.on_store_error(checks, failed)
         if owes:
             # An owed charge is taken whatever the answer: no cached denial or wave holds it back.
             try:
                 answer = await self._ask_store(checks, denials, lease=False)
             except StoreError as exc:
-                return self._on_store_error(checks, exc)
-            return self._on_store_error(checks, BREAKER_OPEN) if answer is None else decision_of(checks, answer)
+                return self._policies.on_store_error(checks, exc)
+            return self._policies.on_store_error(checks, BREAKER_OPEN) if answer is None else decision_of(checks, answer)
         signature: tuple[object, ...] = tuple((c.limit.name, c.identity, c.cost) for c in checks)
         if lease:
             signature = ("lease", *signature)
         try:
             wave = await self._waves.join(signature, None if lease else checks)
         except StoreError as exc:  # the wave this one waited for failed
-            return self._on_store_error(checks, exc)
+            return self._policies.on_store_error(checks, exc)
         error = None
         try:
             if wave.after is not None:  # the wave waited for may have emptied the bucket
@@ -368,13 +366,13 @@ class Limiter:
             if found is None:
                 # Not the wave's error: the store was not asked, and the next wave asks
                 # the breaker for itself (it may be closed again by then).
-                return self._on_store_error(checks, BREAKER_OPEN)
+                return self._policies.on_store_error(checks, BREAKER_OPEN)
             answer = found
             if not lease:
                 wave.learn(sent_at, answer.remaining, answer.resets)
         except StoreError as exc:
             error = exc
-            return self._on_store_error(checks, exc)
+            return self._policies.on_store_error(checks, exc)
         finally:
             # After recording: the next wave wakes to a cache that knows this answer.
             self._waves.leave(signature, wave, error)
@@ -403,60 +401,6 @@ class Limiter:
         self.breaker.succeeded()
         denials.learn(checks, answer, sent_at)
         return answer
-
-    def _on_store_error(self, checks: Sequence[LimitCheck], exc: StoreError) -> Decision:
-        now = self._clock()
-        if now - self._last_failure_log >= FAILURE_LOG_INTERVAL:
-            self._last_failure_log = now
-            log.warning("store failed, applying failure policies (%s): %.200s", policies_named(checks), exc)
-        return self._by_policies(checks)
-
-    def _by_policies(self, checks: Sequence[LimitCheck]) -> Decision:
-        """Each limit's failure policy decides, the store unasked."""
-        policies = [c.limit.on_store_error for c in checks]
-        if FailurePolicy.CLOSED in policies:
-            statuses = tuple(LimitStatus(c.limit, c.cost, None, FAILURE_OUTCOME[c.limit.on_store_error]) for c in checks)
-            return Decision(allowed=False, statuses=statuses, retry_after=1.0, store_failed=True)
-        local = [self._local_check(c) for c in checks if c.limit.on_store_error is FailurePolicy.LOCAL]
-        try:
-            answer = self._local_store.check_now(local) if local else None
-        except StoreFull as full:
-            return self._no_room(checks, full)
-        remaining = iter(answer.remaining if answer else ())
-        statuses = tuple(
-            LimitStatus(
-                limit=c.limit,
-                cost=c.cost,
-                remaining=next(remaining) if c.limit.on_store_error is FailurePolicy.LOCAL else None,
-                outcome=FAILURE_OUTCOME[c.limit.on_store_error],
-            )
-            for c in checks
-        )
-        allowed = answer.allowed if answer else True
-        return Decision(
-            allowed=allowed,
-            statuses=statuses,
-            retry_after=answer.retry_after if answer else 0.0,
-            store_failed=False,
-            wait=answer.wait if answer and allowed else 0.0,
-        )
-
-    def _no_room(self, checks: Sequence[LimitCheck], exc: StoreFull) -> Decision:
-        """The in-process store could not hold this request's buckets: refused, nothing charged."""
-        now = self._clock()
-        if now - self._last_failure_log >= FAILURE_LOG_INTERVAL:
-            self._last_failure_log = now
-            log.warning("refusing requests with 503: %s", exc)
-        statuses = tuple(LimitStatus(c.limit, c.cost, None, NO_ROOM) for c in checks)
-        return Decision(allowed=False, statuses=statuses, retry_after=1.0, store_failed=True)
-
-    def _local_check(self, check: LimitCheck) -> LimitCheck:
-        """`check` as the stand-in takes it: against the limit's share, as the plans compiled
-        it; a check made without them (or changed since) has its share worked out here."""
-        prepared = check.prepared
-        if prepared is not None and prepared.local is not None and prepared.fits(check):
-            return dataclasses.replace(check, limit=prepared.local.limit, prepared=prepared.local)
-        return dataclasses.replace(check, limit=local_share(check.limit, self._local_divisor, check.cost), prepared=None)
 
     async def read_bucket(self, limit: Limit, identity: str) -> BucketReading:
         """The bucket of `limit` for `identity` as the store holds it. Raises StoreError."""
