@@ -28,11 +28,23 @@ delay`) shows 0 left, and its `t` runs until its debt is repaid and one token is
 back. For a quota (a fixed window), `q` is its limit, `w` its window (a month's
 nominally 30 days), and both `t` and the reset the seconds until its window
 ends, as the store's clock measured it: nothing comes back before then.
+
+A limit whose cost the response says (`cost: {from: ...}`) counts other units than
+requests, which the draft's `qu` parameter names, its default being `requests`. The
+draft registers `content-bytes`, so `response-bytes` says `qu="content-bytes"`. It
+registers no unit for an LLM's tokens or an upstream's own units, and leaving `qu`
+out would tell every client that `q` and `r` count requests: so `json:`, `sse-json:`
+and `header:` say `qu` with the config's spelling of the source (`qu="json:usage.total_tokens"`,
+`qu="header:X-Usage-Units"`), a value outside the registry. A client that knows the
+draft cannot take that item for requests; one that insists on registered units ignores
+the item, as it must a malformed one, rather than misread it.
 """
 
 from __future__ import annotations
 
 import math
+import string
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -193,7 +205,26 @@ def _state(limit: Limit, status: LimitStatus) -> tuple[Limit, int, int, int]:
 
 def policy(limit: Limit) -> str:
     """The RateLimit-Policy item of `limit`, which depends on the config alone."""
-    return f'"{limit.name}";q={math.floor(limit.burst)};w={max(1, math.ceil(limit.refill_seconds))}'
+    item = f'"{limit.name}";q={math.floor(limit.burst)};w={max(1, math.ceil(limit.refill_seconds))}'
+    unit = quota_unit(limit)
+    return item if unit is None else f'{item};qu="{unit}"'
+
+
+# What a Structured Field String may hold unescaped: printable ASCII but `"` and `\`
+# (RFC 9651 section 3.3.3); `%` too, which escapes the rest.
+_SF_STRING_SAFE = "".join(c for c in string.printable if c.isprintable() and c not in '"\\%')
+
+
+def quota_unit(limit: Limit) -> str | None:
+    """The draft's `qu` of `limit`: None for requests (the default), `content-bytes` for a
+    response's bytes, else the spelling of where the response says its cost (see above),
+    percent-encoded where a Structured Field String could not carry it."""
+    if limit.cost is None:
+        return None
+    source = limit.cost.source
+    if source.kind == "response-bytes":
+        return "content-bytes"
+    return urllib.parse.quote(str(source), safe=_SF_STRING_SAFE)
 
 
 def concurrency_policy_item(limit: ConcurrencyLimit) -> str:
