@@ -5,15 +5,17 @@ Requests per second on a shared machine move 5-15% between two runs of the same 
 so a change of a few percent is lost in them. Instructions are counted, not timed: the
 same code serving the same requests counts within a fraction of a percent, however
 busy the machine is. Each commit's gateway runs as users run it (`python -m gateway
-run`, from `git archive` of that commit), on (a), (b) and (c)'s configs of the
+run`, from `git archive` of that commit), on (a), (b), (k) and (c)'s configs of the
 throughput phase, against one nginx upstream and one private Redis. After a warm-up,
 its counters are zeroed, exactly `--requests` keep-alive requests are sent, and the
 count is dumped, so start-up and import are left out. Every answer's status is checked
-((a) and (b) all 200, (c) all 429); a run with other statuses stops the comparison.
+((a), (b) and (k) all 200, (c) all 429); a run with other statuses stops the comparison.
+A commit from before costs read from the response rejects (k)'s config: its (k) is shown
+as "—".
 
 The ceiling (g) and the floor of a denial (h), this checkout's tests/bench probes, are
 counted the same way once a run, since they run no gateway code: (g) serves (a)'s
-requests, (h) (c)'s. Each source's (a) ÷ (g), (b) ÷ (a) and (c) ÷ (h) follow, as ratios
+requests, (h) (c)'s. Each source's (a) ÷ (g), (b) ÷ (a), (k) ÷ (b) and (c) ÷ (h) follow, as ratios
 of throughput would read were time proportional to instructions.
 
     .venv/bin/python -m tests.bench.instructions --against HEAD~3 [--against REV ...] [--requests 2000]
@@ -41,7 +43,7 @@ from pathlib import Path
 
 from tests.bench.install import REPO_ROOT, BenchError, _apt_install, ensure_tools, find_tool
 from tests.bench.servers import nginx_upstream, started
-from tests.bench.variants import ALL_ALLOWED_LIMIT, FLOOD_API_KEY, FLOOD_LIMIT, gateway_yaml
+from tests.bench.variants import ALL_ALLOWED_LIMIT, COSTED_LIMIT, FLOOD_API_KEY, FLOOD_LIMIT, gateway_yaml
 from tests.processes import RedisServer, free_port
 
 WARMUP_REQUESTS = 300
@@ -64,12 +66,14 @@ class Case:
     # A module of tests/bench and its arguments, run in place of a gateway ("{upstream}" is
     # the nginx upstream's URL): the same code for every commit, so counted once a run.
     probe: tuple[str, ...] = ()
+    # Older commits may not run it (their gateway exits at start): counted as missing, not an error.
+    optional: bool = False
 
     def config(self, upstream_url: str, redis_url: str, port: int, admin_port: int) -> str:
         if self.key == "a":
             text = gateway_yaml(upstream_url)
         else:
-            limit = ALL_ALLOWED_LIMIT if self.key == "b" else FLOOD_LIMIT
+            limit = {"b": ALL_ALLOWED_LIMIT, "k": COSTED_LIMIT}.get(self.key, FLOOD_LIMIT)
             text = gateway_yaml(upstream_url, store_url=redis_url, limit=limit)
             text = text.replace(f"  url: {redis_url}\n", f"  url: {redis_url}\n  timeout: {STORE_TIMEOUT}\n")
         return text.replace("listen: 127.0.0.1:0", f"listen: 127.0.0.1:{port}", 1).replace(
@@ -80,6 +84,7 @@ class Case:
 CASES = (
     Case("a", "gateway, no limits", "200"),
     Case("b", "gateway, Redis limit, 10,000 clients, all allowed", "200"),
+    Case("k", "gateway, (b)'s limit costed by the response (reserve 2, settled at 1)", "200", optional=True),
     Case("c", "gateway, Redis limit, one client flooding (1/hour)", "429", flood=True),
 )
 # The ceiling serves (a)'s requests and the floor of a denial (c)'s, as in the throughput phase.
@@ -90,7 +95,7 @@ PROBES = (
 )
 # The issue's ratios, each as throughput would give it were time proportional to instructions:
 # (numerator, denominator), read as the denominator's count ÷ the numerator's.
-RATIOS = (("a", "g"), ("b", "a"), ("c", "h"))
+RATIOS = (("a", "g"), ("b", "a"), ("k", "b"), ("c", "h"))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -191,7 +196,7 @@ def count(tag: str, source: Path, case: Case, env: dict[str, str], requests: int
     return instructions(Path(dumps[-1])) // requests
 
 
-def render(results: dict[tuple[str, str], int], sources: list[str], requests: int) -> str:
+def render(results: dict[tuple[str, str], int | None], sources: list[str], requests: int) -> str:
     """Markdown tables: each source's count, and the working tree's over each commit's; the
     probes' counts; and the issue's ratios for each source, against the probes."""
     tree, commits = sources[0], sources[1:]
@@ -204,24 +209,35 @@ def render(results: dict[tuple[str, str], int], sources: list[str], requests: in
     ]
     for case in CASES:
         counts = [results[case.key, source] for source in sources]
-        ratios = [f"{counts[0] / n:.3f}" for n in counts[1:]]
-        lines.append(f"| ({case.key}) {case.title} | " + " | ".join(f"{n:,}" for n in counts) + " | " + " | ".join(ratios) + " |")
+        ratios = [f"{counts[0] / n:.3f}" if counts[0] and n else "—" for n in counts[1:]]
+        shown = (f"{n:,}" if n else "—" for n in counts)
+        lines.append(f"| ({case.key}) {case.title} | " + " | ".join(shown) + " | " + " | ".join(ratios) + " |")
     lines += ["", "The ceiling and the floor, the same code for every commit, counted once:", "",
               "| probe | instructions per request |", "|---|---:|"]
     lines += [f"| ({probe.key}) {probe.title} | {results[probe.key, PROBE_SOURCE]:,} |" for probe in PROBES]
     lines += ["", "Ratios as throughput, were time proportional to instructions (X ÷ Y is Y's count ÷ X's):", "",
               "| ratio | " + " | ".join(sources) + " |", "|---|" + "---:|" * len(sources)]
     for numerator, denominator in RATIOS:
-        values = [
-            _count_of(results, denominator, source) / _count_of(results, numerator, source) for source in sources
-        ]
-        lines.append(f"| ({numerator}) ÷ ({denominator}) | " + " | ".join(f"{value:.2f}" for value in values) + " |")
+        pairs = [(_count_of(results, denominator, source), _count_of(results, numerator, source)) for source in sources]
+        values = [f"{d / n:.2f}" if d and n else "—" for d, n in pairs]
+        lines.append(f"| ({numerator}) ÷ ({denominator}) | " + " | ".join(values) + " |")
     return "\n".join(lines) + "\n"
 
 
-def _count_of(results: dict[tuple[str, str], int], key: str, source: str) -> int:
+def _count_of(results: dict[tuple[str, str], int | None], key: str, source: str) -> int | None:
     """`key`'s count for `source`, or the probe's, which is the same for all."""
-    return results.get((key, source)) or results[key, PROBE_SOURCE]
+    return results[key, source] if (key, source) in results else results[key, PROBE_SOURCE]
+
+
+def _result(job: concurrent.futures.Future[int], optional: bool) -> int | None:
+    """A count; None for an optional case whose gateway would not start (an older commit's)."""
+    try:
+        return job.result()
+    except BenchError as exc:
+        if optional and "exited" in str(exc):
+            print(f"bench: left out: {exc}", file=sys.stderr)
+            return None
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                     jobs[probe.key, PROBE_SOURCE] = pool.submit(
                         count, f"probe-{probe.key}", REPO_ROOT, probe, env, args.requests, work
                     )
-                results = {key: job.result() for key, job in jobs.items()}
+                optional = {case.key for case in CASES if case.optional}
+                results = {key: _result(job, key[0] in optional) for key, job in jobs.items()}
     except BenchError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 1

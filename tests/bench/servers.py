@@ -135,11 +135,12 @@ http {{
 
 
 def nginx_upstream(nginx: str) -> NginxProcess:
-    """The upstream every variant forwards to: two bytes, answered by nginx itself."""
+    """The upstream every variant forwards to: two bytes, answered by nginx itself, with the
+    units (k)'s limit reads from the response (a header every variant relays alike)."""
     server = """
     server {
         listen 127.0.0.1:{port};
-        location / { return 200 "ok"; }
+        location / { add_header X-Usage-Units 1; return 200 "ok"; }
     }"""
     return NginxProcess(nginx, server, what="nginx upstream")
 

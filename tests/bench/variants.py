@@ -38,6 +38,13 @@ from tests.processes import GatewayProcess, RedisServer, free_port
 # Rate and burst no client comes near in a run: every request is allowed, so what
 # is measured is the cost of checking, not of denying.
 ALL_ALLOWED_LIMIT = "{rate: 1000000/second, burst: 1000000, key: ['header:X-API-Key']}"
+# (b)'s limit with its cost read from the response: 2 reserved before forwarding, and the
+# upstream's `X-Usage-Units: 1` settled after it, so each request also refunds 1 (a
+# settlement equal to its reservation sends nothing, and would hide the second call).
+COSTED_LIMIT = (
+    "{rate: 1000000/second, burst: 1000000, key: ['header:X-API-Key'], "
+    "cost: {from: 'header:X-Usage-Units', reserve: 2, missing: 2}}"
+)
 # One token an hour: after the first request, a flooding client is denied for the whole run.
 FLOOD_LIMIT = "{rate: 1/hour, burst: 1, key: ['header:X-API-Key'], on_store_error: open}"
 FLOOD_API_KEY = "flood"
@@ -170,6 +177,11 @@ VARIANTS: tuple[Variant, ...] = (
     Variant(
         "b", "gateway, Redis limit, 10,000 clients, all allowed",
         lambda env: running_gateway(gateway_yaml(env.upstream_url, store_url=env.redis.url, limit=ALL_ALLOWED_LIMIT)),
+    ),
+    # Beside (b), which it is but for the cost: what reading and settling the response adds.
+    Variant(
+        "k", "gateway, (b)'s Redis limit costed by the response (X-Usage-Units: 1, reserve 2), 10,000 clients, all allowed",
+        lambda env: running_gateway(gateway_yaml(env.upstream_url, store_url=env.redis.url, limit=COSTED_LIMIT)),
     ),
     Variant(
         "c", "gateway, Redis limit, one client flooding (1/hour)",

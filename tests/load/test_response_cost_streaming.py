@@ -1,0 +1,222 @@
+"""Costs the response says, read from huge bodies as they stream through a gateway process:
+the reader holds a bounded amount whatever the body, and the relay changes no byte.
+
+- A 5 GiB server-sent stream of OpenAI-style chunk events (each `"usage": null`, as with
+  `stream_options.include_usage`), its last event carrying the usage, and a 1 GiB JSON
+  completion (one long content string, `usage` after it): the client receives every byte
+  as sent (a count and a running SHA-1 on both sides; neither side holds the body), the
+  gateway's RSS grows by at most 64 MB, and Redis is charged exactly the usage said.
+- A malformed usage (`"total_tokens": "abc"`) at the end of a long stream or body, and a
+  stream the upstream cuts in its last event (the event is never ended by a blank line):
+  each charged `missing`, as docs/limit-policies.md ("Costs the response says") says of a
+  response that does not say.
+
+The upstream builds one 64 KiB block and writes it again and again, so it holds no more
+than the gateway may. The limit refills one unit a year, so what the admin API shows
+missing from the bucket is what was charged.
+
+Sizes: the issue's 5 GiB for the stream; for the JSON body, the 1 GiB every response
+streams within today (tests/load/test_proxy_streaming.py). Measured on the 2-core VM, the
+usage reader is what limits the relay: 148 MB/s for this stream and 214 MB/s for this body
+with the cost limit, against about 590 MB/s without it (what this process's upstream and
+client reach with no gateway at all). 5 GiB takes 36 s as a stream, and would take 25 s
+more as a body, which would read the same code (the scan of a long string) for 4 GiB more;
+the suite's time is kept for the rest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tests.processes import GatewayProcess, PeakRss, RedisServer, eventually
+from tests.upstream import serving
+
+pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
+
+GIB = 1 << 30
+RSS_GROWTH_LIMIT = 64 * 1000 * 1000
+SAMPLE_INTERVAL = 0.02
+BURST = 1 << 40  # no reservation or usage here comes near it
+RESERVE = 1000
+MISSING = 4000
+USAGE = {"prompt_tokens": 1234, "completion_tokens": 987654, "total_tokens": 988888}
+# Past the reader's HELD_TEXT (16 KiB), so the malformed and cut cases read through the scan.
+SMALL = 64 << 20
+
+CONFIG = """
+store: {{url: "{url}"}}
+limits:
+  tokens:
+    rate: 1/year
+    burst: {burst}
+    key: header:X-API-Key
+    cost: {{from: "json:usage.total_tokens", reserve: {reserve}, missing: {missing}}}
+routes:
+  - match: {{path: /}}
+    upstream: {upstream}
+    limits: [tokens]
+"""
+
+
+def _chunk_event(content: str) -> bytes:
+    chunk = {
+        "id": "chatcmpl-huge",
+        "object": "chat.completion.chunk",
+        "created": 1796458849,
+        "model": "demo",
+        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}],
+        "usage": None,
+    }
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+# Four chunk events of about 16 KiB each (each read by json, in C); the content has quotes,
+# escapes and a `"usage"` of its own, which is text and not the member.
+_CONTENT = 'say "usage": {"total_tokens": 1}\n' + "lorem ipsum dolor sit amet " * 580
+SSE_BLOCK = _chunk_event(_CONTENT) * 4
+# A 64 KiB piece of one JSON string: escapes are whole within it, so repeats stay a string.
+_PIECE = json.dumps(_CONTENT)[1:-1].encode()
+JSON_BLOCK = (_PIECE * (65536 // len(_PIECE) + 1))[:65536]
+while JSON_BLOCK.endswith(b"\\") and not JSON_BLOCK.endswith(b"\\\\"):
+    JSON_BLOCK = JSON_BLOCK[:-1]
+JSON_HEAD = b'{"id": "chatcmpl-huge", "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "'
+
+
+def _json_tail(usage: object) -> bytes:
+    return b'"}, "finish_reason": "length"}], "usage": ' + json.dumps(usage).encode() + b"}"
+
+
+def _usage_event(usage: object) -> bytes:
+    return b"data: " + json.dumps({"id": "chatcmpl-huge", "object": "chat.completion.chunk", "choices": [], "usage": usage}).encode() + b"\n\n"
+
+
+class Upstream:
+    """GET /sse?size=N&usage=...&cut=1 and GET /json?size=N&usage=...: at least N bytes of
+    repeated blocks, then the usage (`usage` is the JSON of the usage object, default USAGE).
+    `cut=1`: the usage event goes without its blank line and the connection is dropped.
+    Keeps the count and SHA-1 of the bytes it wrote."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.digest = ""
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        size = int(request.query["size"])
+        usage = json.loads(request.query.get("usage", json.dumps(USAGE)))
+        sse = request.path == "/sse"
+        block = SSE_BLOCK if sse else JSON_BLOCK
+        response = web.StreamResponse()
+        response.content_type = "text/event-stream" if sse else "application/json"
+        await response.prepare(request)
+        hashed = hashlib.sha1()
+        sent = 0
+
+        async def write(data: bytes) -> None:
+            nonlocal sent
+            hashed.update(data)
+            sent += len(data)
+            await response.write(data)
+
+        if not sse:
+            await write(JSON_HEAD)
+        for _ in range(-(-size // len(block))):  # at least size bytes
+            await write(block)
+        if sse and request.query.get("cut") == "1":
+            await write(_usage_event(usage)[:-1])  # the event's data line, not the blank line ending it
+            self.sent, self.digest = sent, hashed.hexdigest()
+            request.transport.abort()  # type: ignore[union-attr]
+            return response
+        await write(_usage_event(usage) + b"data: [DONE]\n\n" if sse else _json_tail(usage))
+        self.sent, self.digest = sent, hashed.hexdigest()
+        await response.write_eof()
+        return response
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[tuple[Upstream, str]]:
+    answering = Upstream()
+    async with serving(answering.handle) as url:
+        yield answering, url
+
+
+@pytest.fixture
+def gateway(upstream):
+    _, url = upstream
+    with RedisServer() as redis_server:
+        config = CONFIG.format(url=redis_server.url, burst=BURST, reserve=RESERVE, missing=MISSING, upstream=url)
+        with GatewayProcess(config) as process:
+            yield process
+
+
+async def charged(http: aiohttp.ClientSession, gateway: GatewayProcess, key: str) -> float:
+    async with http.get(f"{gateway.admin_url}/buckets/tokens?source=header:X-API-Key&value={key}") as response:
+        assert response.status == 200
+        return BURST - (await response.json())["tokens"]
+
+
+async def relay(http: aiohttp.ClientSession, url: str, key: str) -> tuple[int, str]:
+    """Reads the answer to GET `url` to its end: its length and SHA-1, nothing held."""
+    hashed = hashlib.sha1()
+    received = 0
+    async with http.get(url, headers={"X-API-Key": key}) as response:
+        assert response.status == 200
+        async for chunk in response.content.iter_any():
+            hashed.update(chunk)
+            received += len(chunk)
+    return received, hashed.hexdigest()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("form", "size"), [("sse", 5 * GIB), ("json", GIB)], ids=["5-gib-stream", "1-gib-json"])
+async def test_a_huge_answer_relays_unchanged_within_64_mb_and_charges_its_usage(gateway, upstream, form, size):
+    answering, _ = upstream
+    baseline = gateway.rss_bytes()
+    started = time.monotonic()
+    async with aiohttp.ClientSession() as http:
+        with PeakRss(gateway.rss_bytes, interval=SAMPLE_INTERVAL) as rss:
+            received, digest = await relay(http, f"{gateway.url}/{form}?size={size}", "huge")
+        elapsed = time.monotonic() - started
+        growth = rss.peak - baseline
+        print(f"{size / GIB:.0f} GiB {form}: {received / elapsed / 1e6:.0f} MB/s, gateway RSS +{growth / 1e6:.1f} MB over {rss.samples} samples")
+        assert received == answering.sent >= size
+        assert digest == answering.digest
+        assert rss.samples > 1
+        assert growth <= RSS_GROWTH_LIMIT
+        assert await charged(http, gateway, "huge") == pytest.approx(USAGE["total_tokens"], abs=1e-3)
+
+
+@pytest.mark.parametrize("form", ["sse", "json"])
+async def test_a_malformed_usage_at_the_end_of_a_long_answer_charges_missing(gateway, upstream, form):
+    answering, _ = upstream
+    usage = json.dumps({"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": "abc"})
+    async with aiohttp.ClientSession() as http:
+        received, digest = await relay(http, f"{gateway.url}/{form}?size={SMALL}&usage={usage}", "malformed")
+        assert (received, digest) == (answering.sent, answering.digest)
+        assert await charged(http, gateway, "malformed") == pytest.approx(MISSING, abs=1e-3)
+
+
+async def test_a_stream_cut_in_its_usage_event_charges_missing(gateway, upstream):
+    answering, _ = upstream
+    hashed = hashlib.sha1()
+    received = 0
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{gateway.url}/sse?size={SMALL}&cut=1", headers={"X-API-Key": "cut"}) as response:
+            assert response.status == 200
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async for chunk in response.content.iter_any():
+                    hashed.update(chunk)
+                    received += len(chunk)
+        # What came before the cut came unchanged, the unended usage event included.
+        assert (received, hashed.hexdigest()) == (answering.sent, answering.digest)
+
+        # The gateway settles when the request ends, which the client may see first.
+        async def settled() -> bool:
+            return await charged(http, gateway, "cut") == pytest.approx(MISSING, abs=1e-3)
+
+        await eventually(settled, what=f"the cut stream charged missing ({MISSING})")
