@@ -41,7 +41,6 @@ a string poses as a key.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -58,7 +57,6 @@ MAX_KEY = 256
 # An SSE field name is `data`, `event`, `id` or `retry`: past this, the line is ignored.
 _MAX_FIELD = 16
 
-_LINE_END = re.compile(rb"[\r\n]")
 _BOM = b"\xef\xbb\xbf"
 
 Headers = Mapping[str, str] | Callable[[str], str | None]
@@ -124,6 +122,15 @@ def parse_usage_source(text: str) -> UsageSource:
         raise ValueError(f"expected a path of at most {MAX_PATH_KEYS} keys of at most {MAX_KEY} characters, got {argument[:80]!r}")
     raw = tuple(json.dumps(key, ensure_ascii=False).encode() for key in keys)
     return UsageSource(kind, argument, tuple(keys), raw)
+
+
+def _line_end(chunk: bytes, pos: int, end: int) -> int:
+    """Where the first CR or LF at or after `pos` is, or -1: bytes.find, memchr in C, runs at
+    memory speed, where a regex character class read the stream at about 140 MB/s. The CR
+    search stops at the first LF, so a stream without CR is not searched twice."""
+    lf = chunk.find(b"\n", pos, end)
+    cr = chunk.find(b"\r", pos, lf if lf >= 0 else end)
+    return cr if cr >= 0 else lf
 
 
 def _event_stream(headers: Headers) -> bool:
@@ -251,11 +258,11 @@ class _SseReader:
             if chunk[0] == 0x0A:
                 pos = 1
         while pos < end:
-            match = _LINE_END.search(chunk, pos)
-            stop = match.start() if match else end
-            self._line_part(chunk, pos, stop)
-            if match is None:
+            stop = _line_end(chunk, pos, end)
+            if stop < 0:
+                self._line_part(chunk, pos, end)
                 return
+            self._line_part(chunk, pos, stop)
             pos = stop + 1
             if chunk[stop] == 0x0D:
                 if pos == end:
