@@ -38,7 +38,6 @@ from aiohttp import web
 from tests.processes import GatewayProcess, PeakRss, RedisServer, eventually
 from tests.upstream import serving
 
-
 GIB = 1 << 30
 RSS_GROWTH_LIMIT = 64 * 1000 * 1000
 SAMPLE_INTERVAL = 0.02
