@@ -94,7 +94,7 @@ class UsageSource:
             return _ByteCounter()
         encoding = _header(headers, "Content-Encoding")
         if encoding is not None and encoding.strip().lower() not in ("", "identity"):
-            return _Silent()
+            return SILENT
         if self.kind == "json" and not _event_stream(headers):
             return _JsonText(self)
         # sse-json, or json: answered as a server-sent stream (an OpenAI-style API answers
@@ -171,12 +171,21 @@ class _ByteCounter:
         return self._count
 
 
-class _Silent:
+class Silent:
+    """A reader that says nothing, so the limit is charged its `missing`: for a body it
+    cannot read (compressed), and for one nobody reads (a WebSocket's frames). Holds no
+    state, so one serves every response."""
+
+    __slots__ = ()
+
     def feed(self, chunk: bytes) -> None:
         pass
 
     def result(self) -> None:
         return None
+
+
+SILENT = Silent()
 
 
 class _JsonText:

@@ -127,13 +127,12 @@ class Decider:
             decision = await self.limiter.check(asked)
         if held is not None:
             decision = with_allowlisted(decision, checks, held)
+        allowed = decision.allowed
         for lp, status in zip(limits, decision.statuses):
             lp.decisions(status.outcome).inc()
-        if decision.allowed:
-            for lp, status in zip(limits, decision.statuses):
-                # A cost the response says is counted when it is settled (gateway.decision.settle).
-                if status.outcome in CHARGED and lp.limit.cost is None and status.cost and not status.denied:
-                    lp.charged.inc(status.cost)
+            # A cost the response says is counted when it is settled (gateway.decision.settle).
+            if allowed and status.outcome in CHARGED and lp.limit.cost is None and status.cost and not status.denied:
+                lp.charged.inc(status.cost)
         return checks, decision
 
     async def check(self, checks: Sequence[LimitCheck], *, shadowed: bool, shed: bool = False) -> Decision:

@@ -10,8 +10,7 @@ debt, which refuses the client's later requests until the bucket has refilled pa
 
 Failures: the response has been sent, so nothing can be refused for it. A settlement call
 is not idempotent, and one that timed out may still be applied by a Redis that was only
-slow: retrying it would charge the client twice (tests/store/test_settlement.py saw exactly that
-before this rule). So only a settlement that was never sent (no connection to the store:
+slow: retrying it would charge the client twice. So only a settlement that was never sent (no connection to the store:
 `StoreNotConnected`, or the open circuit breaker holding the store back) is kept and retried
 in the background, after RETRY_FIRST and twice as long each time, for RETRY_FOR seconds in
 all; at most MAX_PENDING wait at once. One not made by then is `LOST`; one that was sent and

@@ -21,21 +21,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 
-from gateway.config.usage import UsageReader
+from gateway.config.usage import SILENT, UsageReader
 from gateway.decision.settle import Reservations
-
-
-class _Unread:
-    """The reader of a body that is not read (a WebSocket's frames): it says nothing, so
-    the limit is charged its `missing`."""
-
-    __slots__ = ()
-
-    def feed(self, chunk: bytes) -> None:
-        pass
-
-    def result(self) -> int | None:
-        return None
 
 
 class CostMeter:
@@ -43,7 +30,7 @@ class CostMeter:
 
     def __init__(self, reservations: Reservations) -> None:
         self._reservations = reservations
-        self._readers: list[UsageReader | _Unread] | None = None  # None until the upstream's head came
+        self._readers: list[UsageReader] | None = None  # None until the upstream's head came
 
     def head(self, headers: Mapping[str, str]) -> None:
         """The upstream answered with `headers`: its body is read from here on."""
@@ -51,7 +38,7 @@ class CostMeter:
 
     def unread(self) -> None:
         """The upstream answered, but its body is not read (a WebSocket's frames): `missing` each."""
-        self._readers = [_Unread() for _ in self._reservations.costs]
+        self._readers = [SILENT for _ in self._reservations.costs]
 
     def feed(self, chunk: bytes) -> None:
         readers = self._readers
