@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from gateway.config import jwt_keys, tls
+from gateway.config import tls
 from gateway.config.http_names import HOST_RE
 from gateway.config.model import (
     DEFAULT_LISTEN_BACKLOG,
@@ -107,6 +107,8 @@ def _jwt(doc: Any, r: _Reader, environ: Mapping[str, str]) -> JwtConfig:
         r.fail("jwt", "expected exactly one of secret_env (HS256), public_key_file or jwks_file (RS256, ES256)")
     where = f"jwt.{given[0]}"
     value = r.string(spec[given[0]], where)
+    # PyJWT and cryptography take 40 ms to import: only a config with a jwt block pays for them.
+    from gateway.config import jwt_keys
     if given[0] == "secret_env":
         if value not in environ:
             r.fail(where, f"environment variable {value} is not set")

@@ -18,8 +18,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import jwt
-
 from gateway.config.model import JwtConfig, JwtFailure, JwtKey
 
 BEARER = "bearer"
@@ -39,6 +37,11 @@ class JwtVerifier:
         self._verified: dict[str, tuple[Mapping[str, Any], float | None]] = {}
         self._single = config.keys[0] if len(config.keys) == 1 else None
         self._by_kid = {key.kid: key for key in config.keys if key.kid is not None}
+        # PyJWT and cryptography take 40 ms to import: only a config with a jwt block pays for them.
+        import jwt
+
+        self._header = jwt.get_unverified_header
+        self._invalid = jwt.InvalidTokenError
         self._jwt = jwt.PyJWT(options={"verify_signature": True, "verify_exp": True, "verify_nbf": True})
 
     @property
@@ -75,7 +78,7 @@ class JwtVerifier:
 
     def _verify(self, token: str) -> Mapping[str, Any] | None:
         try:
-            key = self._key(jwt.get_unverified_header(token))
+            key = self._key(self._header(token))
             if key is None:
                 return None
             claims = self._jwt.decode(
@@ -86,7 +89,7 @@ class JwtVerifier:
                 audience=self._config.audience,
                 leeway=self._config.leeway,
             )
-        except jwt.InvalidTokenError:  # the base of every way a token fails to verify
+        except self._invalid:  # the base of every way a token fails to verify
             return None
         return claims if isinstance(claims, dict) else None
 
