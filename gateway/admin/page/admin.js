@@ -313,11 +313,15 @@ async function poll() {
   if (polling) return;
   polling = true;
   try {
-    const [stats, ready, top] = await Promise.all([
+    // Every request settles before the page decides: none is still on its way with a refused token.
+    const answers = await Promise.allSettled([
       getJSON("stats"),
       getJSON("readyz", [200, 503]),
       getJSON("top-limited?n=10"),
     ]);
+    const failed = answers.filter((answer) => answer.status === "rejected").map((answer) => answer.reason);
+    if (failed.length) throw failed.find((reason) => reason instanceof Unauthorized) || failed[0];
+    const [stats, ready, top] = answers.map((answer) => answer.value);
     if (needsToken && !token()) return; // forgotten while this poll was on its way
     remember(stats);
     showStatus(stats, ready);
