@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import re
 import socket
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -126,6 +127,24 @@ async def decision_gateway(url: str, *, burst: int = 2, policy: str = "open") ->
         yield f"http://127.0.0.1:{port}"
 
 
+@pytest.fixture(scope="module")
+def shared_decisions() -> Iterator[str]:
+    """One decision gateway (burst 2, failing open) on a real-time-priority Redis, for the tests
+    that only ask it questions: each asks with API keys of its own, so each finds a fresh burst."""
+    with RedisServer(dedicated=True) as redis_server:
+        text, port = gateway_config(redis_server.url, burst=2)
+        with GatewayProcess(text):
+            yield f"http://127.0.0.1:{port}"
+
+
+_keys = itertools.count()
+
+
+def fresh_key() -> str:
+    """An API key no other test of the module has charged."""
+    return f"key-{next(_keys)}"
+
+
 TRAEFIK = "/decide/traefik"
 
 
@@ -158,10 +177,10 @@ async def ask(client: aiohttp.ClientSession, url: str, style: str, key: str) -> 
 
 
 @pytest.mark.parametrize("style", ["traefik", "envoy"])
-async def test_allow_then_deny_with_the_fields(style: str) -> None:
-    with RedisServer(dedicated=True) as redis_server:
-        async with decision_gateway(redis_server.url) as url, aiohttp.ClientSession() as client:
-            answers = [await ask(client, url, style, "k1") for _ in range(3)]
+async def test_allow_then_deny_with_the_fields(style: str, shared_decisions: str) -> None:
+    key = fresh_key()
+    async with aiohttp.ClientSession() as client:
+        answers = [await ask(client, shared_decisions, style, key) for _ in range(3)]
     assert [a.status for a in answers] == [200, 200, 429]
     for answer in answers:
         assert "RateLimit" in answer.headers and "RateLimit-Policy" in answer.headers
@@ -189,16 +208,15 @@ async def test_fail_closed_on_a_dead_store(style: str) -> None:
     assert int(answer.headers["Content-Length"]) == len(json.dumps(body).encode())
 
 
-async def test_an_untrusted_peer_gets_400_and_is_charged_nothing() -> None:
-    with RedisServer(dedicated=True) as redis_server:
-        async with decision_gateway(redis_server.url) as url:
-            # 127.0.0.2 is loopback too, but not in trusted_proxies (127.0.0.1/32).
-            untrusted = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
-            async with aiohttp.ClientSession(connector=untrusted) as client:
-                refused = [await ask(client, url, "traefik", "k1") for _ in range(3)]
-                refused_envoy = await ask(client, url, "envoy", "k1")
-            async with aiohttp.ClientSession() as client:
-                trusted = [await ask(client, url, "traefik", "k1") for _ in range(3)]
+async def test_an_untrusted_peer_gets_400_and_is_charged_nothing(shared_decisions: str) -> None:
+    url, key = shared_decisions, fresh_key()
+    # 127.0.0.2 is loopback too, but not in trusted_proxies (127.0.0.1/32).
+    untrusted = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
+    async with aiohttp.ClientSession(connector=untrusted) as client:
+        refused = [await ask(client, url, "traefik", key) for _ in range(3)]
+        refused_envoy = await ask(client, url, "envoy", key)
+    async with aiohttp.ClientSession() as client:
+        trusted = [await ask(client, url, "traefik", key) for _ in range(3)]
     assert [r.status for r in refused] == [400, 400, 400]
     assert refused_envoy.status == 400
     assert refused[0].headers["Content-Type"].startswith("application/problem+json")
@@ -216,13 +234,14 @@ async def test_an_untrusted_peer_gets_400_and_is_charged_nothing() -> None:
         ("/decide/nginx", {"X-Original-Method": "GET"}),  # no X-Original-URI
     ],
 )
-async def test_malformed_original_headers_get_400(path: str, headers: dict[str, str]) -> None:
-    with RedisServer(dedicated=True) as redis_server:
-        async with decision_gateway(redis_server.url) as url, aiohttp.ClientSession() as client:
-            async with client.get(url + path, headers=headers) as answer:
-                status, content_type = answer.status, answer.headers.get("Content-Type")
-            # Charged nothing: the key's whole burst is left.
-            allowed = [(await ask(client, url, "traefik", "k1")).status for _ in range(3)]
+async def test_malformed_original_headers_get_400(path: str, headers: dict[str, str], shared_decisions: str) -> None:
+    url, key = shared_decisions, fresh_key()
+    headers = {name: value.replace("k1", key) for name, value in headers.items()}
+    async with aiohttp.ClientSession() as client:
+        async with client.get(url + path, headers=headers) as answer:
+            status, content_type = answer.status, answer.headers.get("Content-Type")
+        # Charged nothing: the key's whole burst is left.
+        allowed = [(await ask(client, url, "traefik", key)).status for _ in range(3)]
     assert status == 400  # from nginx too: a snippet that sets no X-Original-URI is nginx's 500
     assert content_type is not None and content_type.startswith("application/problem+json")
     assert allowed == [200, 200, 429]
@@ -358,13 +377,12 @@ async def test_routes_and_the_client_address_are_the_original_requests() -> None
         ("GET", "", (400, None)),  # an empty X-Original-URI: the snippet's doing
     ],
 )
-async def test_nginx_hears_a_refused_original_request_as_a_denial(method: str, uri: str, answer: tuple) -> None:
+async def test_nginx_hears_a_refused_original_request_as_a_denial(method: str, uri: str, answer: tuple, shared_decisions: str) -> None:
     """What the original request holds is the client's doing: refused, nginx is told 403
     (its 500 would page someone), the gateway's 400 in X-Gateway-Status. A question that
     is not one (an X-Original-URI missing or empty) stays 400: that is the snippet's fault."""
-    with RedisServer(dedicated=True) as redis_server:
-        async with decision_gateway(redis_server.url) as url, aiohttp.ClientSession() as client:
-            base = {"X-Original-Method": method, "Host": "shop.example", "X-API-Key": "k1"}
-            async with client.get(url + "/decide/nginx", headers={**base, "X-Original-URI": uri}) as refused:
-                status, gateway_status = refused.status, refused.headers.get("X-Gateway-Status")
+    async with aiohttp.ClientSession() as client:
+        base = {"X-Original-Method": method, "Host": "shop.example", "X-API-Key": fresh_key()}
+        async with client.get(shared_decisions + "/decide/nginx", headers={**base, "X-Original-URI": uri}) as refused:
+            status, gateway_status = refused.status, refused.headers.get("X-Gateway-Status")
     assert (status, gateway_status) == answer
