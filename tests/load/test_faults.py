@@ -56,6 +56,7 @@ from gateway.redis.connection import STALE_REPLY_SECONDS
 from tests.chaos_proxy import ChaosProxy
 from tests.processes import GatewayProcess, RedisServer, eventually
 from tests.scrape import scrape, settled_decisions
+from tests.together import Together
 
 pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
@@ -344,33 +345,26 @@ async def run_fault(fault: Fault, redis_server: RedisServer, proxy: ChaosProxy, 
 # pace, so faults run two at a time, each on a rig of its own (Redis, proxy, gateway): the pair
 # takes the time of one. A failing fault is paired with one that fails no check, or with the
 # slow reply, and the blackhole's long fault with a short one.
-PAIRS = [("hang", "script-flush"), ("kill-9-restart", "latency-10ms"), ("refused", "out-of-memory"), ("blackhole", "reset-mid-reply")]
-PARTNER = {a: b for pair in PAIRS for a, b in (pair, pair[::-1])}
+PAIRS = Together[Run]([("hang", "script-flush"), ("kill-9-restart", "latency-10ms"), ("refused", "out-of-memory"), ("blackhole", "reset-mid-reply")])
 BY_NAME = {fault.name: fault for fault in FAULTS}
-_measured: dict[str, Run] = {}  # a partner's run, until its own test reads it
 
 
-async def measured(fault: Fault, upstream: str) -> Run:
-    """`fault`'s run: measured now beside its partner's, or earlier, when the partner's test ran."""
-    if fault.name in _measured:
-        return _measured.pop(fault.name)
-    pair = (fault, BY_NAME[PARTNER[fault.name]])
+async def measure_pair(names: tuple[str, ...], upstream: str) -> list[Run]:
     with contextlib.ExitStack() as stack:
         rigs = []
-        for _ in pair:
+        for _ in names:
             redis_server = stack.enter_context(RedisServer("--maxmemory-policy", "noeviction", dedicated=True))
             proxy = stack.enter_context(ChaosProxy(redis_server.port))
             gateway = stack.enter_context(GatewayProcess(CONFIG.format(url=proxy.url, upstream=upstream)))
             rigs.append((redis_server, proxy, gateway))
         stack.enter_context(ahead_of_other_sessions(0, *(gateway.process.pid for _, _, gateway in rigs)))
-        own, partner = await asyncio.gather(*(run_fault(f, *rig) for f, rig in zip(pair, rigs, strict=True)))
-    _measured[pair[1].name] = partner
-    return own
+        return await asyncio.gather(*(run_fault(BY_NAME[name], *rig) for name, rig in zip(names, rigs, strict=True)))
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=[f.name for f in FAULTS])
 async def test_fault(fault: Fault, upstream):
-    run = await measured(fault, upstream)
+    run = await PAIRS.result(fault.name, lambda names: measure_pair(names, upstream))
+    partner = next(name for name in PAIRS.group_of(fault.name) if name != fault.name)
     answers, began, ended, breaker, counts = run.answers, run.began, run.ended, run.breaker, run.counts
     calls = run.scripts.total()
     limited = [a for a in answers if a.route != "/free"]
@@ -386,7 +380,7 @@ async def test_fault(fault: Fault, upstream):
     failed = counts["fair", "fail_open"] + counts["strict", "fail_closed"]
     rss_grew, fds_grew = run.rss[1] - run.rss[0], run.fds[1] - run.fds[0]
     print(
-        f"\nFIGURES {fault.name} ({fault.seconds:g} s, beside {PARTNER[fault.name]}): {len(answers)} requests, {len(limited)} limited; "
+        f"\nFIGURES {fault.name} ({fault.seconds:g} s, beside {partner}): {len(answers)} requests, {len(limited)} limited; "
         f"fail_open {counts['fair', 'fail_open']:.0f}, fail_closed {counts['strict', 'fail_closed']:.0f}, "
         f"breaker at fault end: {'/'.join(breaker)}; "
         f"p99 added: fail-open {open_added * 1000:.2f} ms, 503 "
