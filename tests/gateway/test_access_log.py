@@ -18,7 +18,7 @@ import pytest
 from gateway.proxy.access_log import FLUSH_SECONDS, QUEUE_LINES
 from gateway.testing import running_gateway
 from tests.processes import GatewayProcess, eventually, run_cli
-from tests.raw_client import raw_exchange
+from tests.raw_client import pipelined, raw_exchange
 from tests.scrape import scrape, value
 
 API_KEY = "sk-live-7f3a9c1e5b"
@@ -303,18 +303,25 @@ routes:
 SENDERS = 8
 # A pipe holds 64 KiB, about 160 of these lines: 2,000 leave most of them queued.
 QUEUED = 2_000
+# Requests a sender pipelines on one connection: fewer than keepalive_requests (1,000).
+PIPELINED = 500
+CLOSE = "Connection: close\r\n"
 
 
 async def send_numbered(gw: GatewayProcess, count: int) -> None:
     """`count` requests from SENDERS clients at once, each numbering its own in X-Request-ID
-    (`s3-41`); each must be answered, and within its timeout."""
-    timeout = aiohttp.ClientTimeout(total=10)
+    (`s3-41`) and pipelining them, PIPELINED to a connection; each must be answered, with no
+    wait for the next answer longer than the raw client's timeout."""
 
     async def sender(k: int) -> None:
-        async with aiohttp.ClientSession(timeout=timeout) as http:
-            for i in range(count // SENDERS):
-                async with http.get(gw.url + "/nowhere", headers={"X-Request-ID": f"s{k}-{i}"}) as response:
-                    assert response.status == 404
+        numbers = range(count // SENDERS)
+        for first in range(0, len(numbers), PIPELINED):
+            batch = numbers[first : first + PIPELINED]
+            requests = [
+                f"GET /nowhere HTTP/1.1\r\nHost: gw\r\nX-Request-ID: s{k}-{i}\r\n{CLOSE if i == batch[-1] else ''}\r\n".encode()
+                for i in batch
+            ]
+            assert await pipelined(gw.url, requests) == [404] * len(batch)
 
     await asyncio.gather(*(sender(k) for k in range(SENDERS)))
 
