@@ -11,12 +11,16 @@ limit failing open (or the in-process store).
   spent in December, its 429 says to wait out the seconds left of the year, and
   once the clock passes midnight the January window admits 3 more and asks for
   31 days.
+
+The first two share one gateway per store, each spending limits of its own; the clock's
+test runs its own under libfaketime.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import datetime
 import email.utils
 import glob
@@ -54,6 +58,24 @@ routes:
 """
 
 
+@pytest.fixture(scope="module")
+def quota_gateway(module_upstream):
+    """`quota_gateway(store_kind)`: the module's gateway on that store ("redis" or
+    "in-process"), started at the first test that asks and shared by the others; each test
+    spends limits (and keys) of its own."""
+    started: dict[str, GatewayProcess] = {}
+    with contextlib.ExitStack() as stack:
+
+        def gateway(store_kind: str) -> GatewayProcess:
+            if store_kind not in started:
+                store_block = stack.enter_context(store_block_for(store_kind))
+                config = CONFIG.format(store=store_block, upstream=module_upstream)
+                started[store_kind] = stack.enter_context(GatewayProcess(config))
+            return started[store_kind]
+
+        yield gateway
+
+
 def seconds_to_midnight() -> float:
     now = datetime.datetime.now(UTC)
     midnight = datetime.datetime.combine(now.date() + datetime.timedelta(days=1), datetime.time(), UTC)
@@ -67,14 +89,15 @@ async def get(http: aiohttp.ClientSession, url: str, key: str) -> tuple[int, dic
 
 
 @pytest.mark.parametrize("store_kind", ["redis", "in-process"])
-async def test_exactly_the_quota_passes_a_concurrent_flood_and_429s_wait_for_the_day_to_end(store_kind, upstream):
-    with store_block_for(store_kind) as store_block, GatewayProcess(CONFIG.format(store=store_block, upstream=upstream)) as gateway:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-            answers = await asyncio.gather(*(get(http, gateway.url + "/daily", "flood") for _ in range(300)))
-            # One more, after the flood's denials came back: with Redis, the gateway's denial
-            # cache answers it, and must advertise the window's end as Redis measured it.
-            answers.append(await get(http, gateway.url + "/daily", "flood"))
-            counts = await settled_decisions(http, gateway.admin_url)
+async def test_exactly_the_quota_passes_a_concurrent_flood_and_429s_wait_for_the_day_to_end(quota_gateway, store_kind):
+    """The only test of the shared gateway that spends `daily`."""
+    gateway = quota_gateway(store_kind)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        answers = await asyncio.gather(*(get(http, gateway.url + "/daily", "flood") for _ in range(300)))
+        # One more, after the flood's denials came back: with Redis, the gateway's denial
+        # cache answers it, and must advertise the window's end as Redis measured it.
+        answers.append(await get(http, gateway.url + "/daily", "flood"))
+        counts = await settled_decisions(http, gateway.admin_url)
     statuses = collections.Counter(status for status, _ in answers)
     print(f"{store_kind}: {dict(statuses)}")
     assert statuses == {200: 50, 429: 251}
@@ -90,14 +113,15 @@ async def test_exactly_the_quota_passes_a_concurrent_flood_and_429s_wait_for_the
 
 
 @pytest.mark.parametrize("store_kind", ["redis", "in-process"])
-async def test_requests_a_quota_denies_charge_the_bucket_beside_it_nothing(store_kind, upstream):
+async def test_requests_a_quota_denies_charge_the_bucket_beside_it_nothing(quota_gateway, store_kind):
     """/both is a bucket of 5 and a quota of 3: of 10 requests, 3 pass, so the bucket,
-    charged for those 3 only, lets exactly 2 more through on /tokens."""
-    with store_block_for(store_kind) as store_block, GatewayProcess(CONFIG.format(store=store_block, upstream=upstream)) as gateway:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-            both = await asyncio.gather(*(get(http, gateway.url + "/both", "pair") for _ in range(10)))
-            tokens = await asyncio.gather(*(get(http, gateway.url + "/tokens", "pair") for _ in range(10)))
-            counts = await settled_decisions(http, gateway.admin_url)
+    charged for those 3 only, lets exactly 2 more through on /tokens. The only test of the
+    shared gateway that spends `monthly` and `tokens`."""
+    gateway = quota_gateway(store_kind)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        both = await asyncio.gather(*(get(http, gateway.url + "/both", "pair") for _ in range(10)))
+        tokens = await asyncio.gather(*(get(http, gateway.url + "/tokens", "pair") for _ in range(10)))
+        counts = await settled_decisions(http, gateway.admin_url)
     assert collections.Counter(status for status, _ in both) == {200: 3, 429: 7}
     assert collections.Counter(status for status, _ in tokens) == {200: 2, 429: 8}
     assert counts["monthly", "deny"] == 7 and counts["tokens", "skipped"] == 7
