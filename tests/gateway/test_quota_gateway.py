@@ -7,10 +7,10 @@ limit failing open (or the in-process store).
 - A quota and a token bucket on one route are all-or-nothing: requests the quota
   denies charge the bucket nothing.
 - A window boundary crossed for real: the gateway (in-process store) runs under
-  libfaketime a few seconds before 2027-01-01 00:00 UTC. A monthly quota of 3 is
-  spent in December, its 429 says to wait out the seconds left of the year, and
-  once the clock passes midnight the January window admits 3 more and asks for
-  31 days.
+  libfaketime, its clock set to 1.5 s before 2027-01-01 00:00 UTC once it serves. A
+  monthly quota of 3 is spent in December, its 429 says to wait out the seconds left of
+  the year, and once the clock passes midnight the January window admits 3 more and
+  asks for 31 days.
 
 The first two share one gateway per store, each spending limits of its own; the clock's
 test runs its own under libfaketime.
@@ -24,6 +24,8 @@ import contextlib
 import datetime
 import email.utils
 import glob
+import math
+import time
 
 import aiohttp
 import pytest
@@ -33,6 +35,8 @@ from tests.scrape import settled_decisions
 
 UTC = datetime.UTC
 LIBFAKETIME = sorted(glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1"))
+# Seconds of December left once the gateway serves: time for four requests, waited out for real.
+BEFORE_MIDNIGHT = 1.5
 
 CONFIG = """
 listen: 127.0.0.1:0
@@ -128,14 +132,25 @@ async def test_requests_a_quota_denies_charge_the_bucket_beside_it_nothing(quota
 
 
 @pytest.mark.skipif(not LIBFAKETIME, reason="libfaketime is not installed (apt-get install faketime)")
-async def test_a_monthly_quota_resets_when_the_clock_crosses_into_the_new_year(upstream):
-    """The in-process store under libfaketime: its wall clock starts 4 s before
-    2027-01-01 00:00 UTC. (redis-server 7 does not start under libfaketime here: its
-    allocator's first clock_gettime recurses into libfaketime. The script crosses the
-    same boundaries at computed times in tests/store/test_quota.py.)"""
+async def test_a_monthly_quota_resets_when_the_clock_crosses_into_the_new_year(upstream, tmp_path):
+    """The in-process store under libfaketime: its wall clock starts 30 s before
+    2027-01-01 00:00 UTC, whatever the start-up takes within that, and once the gateway
+    serves is moved on to BEFORE_MIDNIGHT before it; midnight then comes in real time.
+    (redis-server 7 does not start under libfaketime here: its allocator's first
+    clock_gettime recurses into libfaketime. The script crosses the same boundaries at
+    computed times in tests/store/test_quota.py.)"""
     new_year = datetime.datetime(2027, 1, 1, tzinfo=UTC)
-    env = {"LD_PRELOAD": LIBFAKETIME[0], "FAKETIME": (new_year - datetime.timedelta(seconds=4)).strftime("@%Y-%m-%d %H:%M:%S")}
+    offset = tmp_path / "faketime"
+
+    def set_clock(before: float) -> None:
+        """The gateway's clock `before` seconds before the new year, from its next reading on."""
+        (tmp_path / "next").write_text(f"+{new_year.timestamp() - time.time() - before:.3f}\n")
+        (tmp_path / "next").replace(offset)  # whole: the gateway reads the file at every reading of its clock
+
+    set_clock(30)
+    env = {"LD_PRELOAD": LIBFAKETIME[0], "FAKETIME_TIMESTAMP_FILE": str(offset), "FAKETIME_NO_CACHE": "1"}
     with GatewayProcess(CONFIG.format(store="", upstream=upstream), env=env) as gateway:
+        set_clock(BEFORE_MIDNIGHT)
         async with aiohttp.ClientSession() as http:
             december = [await get(http, gateway.url + "/monthly", "boundary") for _ in range(4)]
             crossed: list[tuple[int, dict[str, str]]] = []
@@ -156,7 +171,7 @@ async def test_a_monthly_quota_resets_when_the_clock_crosses_into_the_new_year(u
           f"{january[3][1]['Retry-After']} at {date(january[3][1])}")
     assert [status for status, _ in december] == [200, 200, 200, 429]
     assert date(december[3][1]) < new_year  # the 429 is the gateway's own: its Date is its clock
-    assert 1 <= int(december[3][1]["Retry-After"]) <= 4
+    assert 1 <= int(december[3][1]["Retry-After"]) <= math.ceil(BEFORE_MIDNIGHT)
     assert all(status == 429 for status, _ in crossed[:-1])
     assert [status for status, _ in january] == [200, 200, 200, 429]
     assert date(january[3][1]) >= new_year
