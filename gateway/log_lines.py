@@ -53,6 +53,8 @@ class QueuedLines(logging.Handler):
     def _start(self) -> None:
         self.dropped = 0  # lines this process lost: the queue was full or a write failed
         self._failed = False  # the first failed write is logged, the rest only counted
+        self._in_hand = 0  # lines taken from the queue by a write the stream has not finished
+        self._closed = False
         self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_lines, name=f"{self._stream}-writer", daemon=True)
         self._writer.start()
@@ -70,7 +72,9 @@ class QueuedLines(logging.Handler):
 
     @property
     def queued(self) -> int:
-        return self._lines.qsize()
+        """Lines not written yet: waiting, or in a write a blocked stream holds up (the writer
+        takes all that wait at once: after a burst the queue can be empty and its lines still unwritten)."""
+        return self._lines.qsize() + self._in_hand
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -101,7 +105,9 @@ class QueuedLines(logging.Handler):
                 if self._lines.empty():
                     break
                 line = self._lines.get()
+            self._in_hand = len(lines)
             self._write(lines)
+            self._in_hand = 0
             if line is None:  # close()'s mark: the lines before it are the last
                 return
 
@@ -117,8 +123,11 @@ class QueuedLines(logging.Handler):
                 log.error("log lines cannot be written to %s: %s", self._stream, exc)
 
     def close(self) -> None:
-        """Write what is queued, waiting up to FLUSH_SECONDS for the stream to take it."""
-        if self._writer.is_alive():
+        """Write what is queued, waiting up to FLUSH_SECONDS for the stream to take it. Once:
+        logging's shutdown at exit closes every handler again, and a stream still blocked
+        then would hold the exit for another FLUSH_SECONDS."""
+        if self._writer.is_alive() and not self._closed:
+            self._closed = True
             self._lines.put(None)
             self._writer.join(FLUSH_SECONDS)
         super().close()

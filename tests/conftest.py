@@ -1,5 +1,6 @@
-"""Fixtures every test module may use: a real aiohttp upstream, a private redis-server, a master
-with a replica watched by three sentinels, an HTTP client."""
+"""Fixtures every test module may use: a real aiohttp upstream (one per test, or one per module
+in a thread), a private redis-server, a master with a replica watched by three sentinels, an
+HTTP client."""
 
 import contextlib
 
@@ -7,7 +8,7 @@ import aiohttp
 import pytest
 
 from tests.processes import RedisServer, SentinelServer, wait_until
-from tests.upstream import running_upstream
+from tests.upstream import running_upstream, upstream_in_a_thread
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -24,6 +25,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 async def upstream():
     """The URL of a real aiohttp upstream running in the test's event loop."""
     async with running_upstream() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def module_upstream():
+    """The URL of the same upstream as `upstream`'s, on an event loop of its own in a thread,
+    for as long as the module runs: a gateway that the module's tests share can use it."""
+    with upstream_in_a_thread() as url:
         yield url
 
 

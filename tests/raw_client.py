@@ -77,3 +77,39 @@ def echoed(body: bytes) -> dict:
 
 def echoed_headers(echo: dict, name: str) -> list[str]:
     return [v for n, v in echo["headers"] if n.lower() == name.lower()]
+
+
+async def pipelined(url: str, requests: list[bytes], *, timeout: float = RAW_TIMEOUT) -> list[int]:
+    """Send `requests` on one connection at once, not waiting for any answer (HTTP/1.1
+    pipelining: the last must ask for Connection: close), and read the answers to the end;
+    returns their statuses in order. Every read must bring bytes within `timeout`, and every
+    answer must carry a Content-Length (the gateway's own do). Thousands of requests cost
+    the client next to nothing, so a test that needs many measures the gateway, not aiohttp."""
+    target = URL(url)
+    reader, writer = await asyncio.open_connection(target.host, target.port)
+
+    async def read_to_the_end() -> bytes:
+        chunks = []
+        while chunk := await asyncio.wait_for(reader.read(1 << 16), timeout):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    reading = asyncio.ensure_future(read_to_the_end())  # read while writing: answers fill a buffer too
+    try:
+        writer.write(b"".join(requests))
+        await writer.drain()
+        data = await reading
+    finally:
+        reading.cancel()
+        writer.close()
+        await writer.wait_closed()
+    statuses = []
+    while data:
+        head, end, data = data.partition(b"\r\n\r\n")
+        assert end, f"an answer's head ends early: {head[:200]!r}"
+        status_line, *lines = head.split(b"\r\n")
+        statuses.append(int(status_line.split()[1]))
+        lengths = [int(value) for name, _, value in (line.partition(b":") for line in lines) if name.lower() == b"content-length"]
+        assert len(lengths) == 1, head
+        data = data[lengths[0]:]
+    return statuses

@@ -229,9 +229,8 @@ async def serving(handler: Handler) -> AsyncIterator[str]:
 
 
 @contextlib.contextmanager
-def serving_in_a_thread(handler: Handler) -> Iterator[str]:
-    """`serving`, on an event loop of its own in a thread: for synchronous tests
-    (Hypothesis) that drive a gateway process while the upstream answers."""
+def _in_a_thread(serve: Callable[[], contextlib.AbstractAsyncContextManager[str]]) -> Iterator[str]:
+    """The server `serve()` runs, on an event loop of its own in a thread; yields its URL."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -239,22 +238,34 @@ def serving_in_a_thread(handler: Handler) -> Iterator[str]:
     stop: asyncio.Future[None] = loop.create_future()
     urls: list[str] = []
 
-    async def serve() -> None:
-        async with serving(handler) as url:
+    async def run() -> None:
+        async with serve() as url:
             urls.append(url)
             started.set()
             await stop
 
-    serve_done = asyncio.run_coroutine_threadsafe(serve(), loop)
+    run_done = asyncio.run_coroutine_threadsafe(run(), loop)
     try:
         asyncio.run_coroutine_threadsafe(started.wait(), loop).result(10)
         yield urls[0]
     finally:
         loop.call_soon_threadsafe(stop.set_result, None)
-        serve_done.result(10)
+        run_done.result(10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+def serving_in_a_thread(handler: Handler) -> contextlib.AbstractContextManager[str]:
+    """`serving`, on an event loop of its own in a thread: for synchronous tests
+    (Hypothesis) that drive a gateway process while the upstream answers."""
+    return _in_a_thread(lambda: serving(handler))
+
+
+def upstream_in_a_thread() -> contextlib.AbstractContextManager[str]:
+    """`running_upstream`, on an event loop of its own in a thread: it outlives any test's
+    event loop, so a gateway that several tests share can stand in front of it."""
+    return _in_a_thread(running_upstream)
 
 
 class CountingUpstream:

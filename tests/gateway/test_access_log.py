@@ -2,15 +2,20 @@
 line per request carrying the client address resolved through trusted proxies, the
 route, the limit decision, the upstream status and latency and the request id; the
 client identity only hashed; no query value in the path. And X-Request-ID: passed
-to the upstream, generated when absent, and returned to the client."""
+to the upstream, generated when absent, and returned to the client.
+
+The tests of what a line says share one gateway process per format and each reads the
+lines of its own requests; those of a stalled stdout and of a stop start their own."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import re
 import signal
+import uuid
 
 import aiohttp
 import pytest
@@ -18,7 +23,7 @@ import pytest
 from gateway.proxy.access_log import FLUSH_SECONDS, QUEUE_LINES
 from gateway.testing import running_gateway
 from tests.processes import GatewayProcess, eventually, run_cli
-from tests.raw_client import raw_exchange
+from tests.raw_client import pipelined, raw_exchange
 from tests.scrape import scrape, value
 
 API_KEY = "sk-live-7f3a9c1e5b"
@@ -45,25 +50,56 @@ routes:
 """
 
 
+@pytest.fixture(scope="module")
+def logged(module_upstream):
+    """`logged(fmt)`: the module's gateway started with `--access-log fmt`, in front of the
+    module's upstream, started at its first use and stopped (exit status 0) after the last.
+    A test reads the lines of its own requests only (`own_lines`), so the tests share it
+    in any order."""
+    started: dict[str, GatewayProcess] = {}
+    with contextlib.ExitStack() as stack:
+
+        def gateway(fmt: str) -> GatewayProcess:
+            if fmt not in started:
+                started[fmt] = stack.enter_context(GatewayProcess(logged_yaml(module_upstream), args=("--access-log", fmt)))
+            return started[fmt]
+
+        yield gateway
+        exits = {fmt: gw.stop() for fmt, gw in started.items()}
+    assert exits == dict.fromkeys(started, 0)
+
+
+async def own_lines(gw: GatewayProcess, since: int, expected: int) -> list[str]:
+    """The lines written from line `since` on by a test's own requests: once `expected` are
+    in, a marker request follows, and the lines before the marker's are the test's (with
+    any line too many that its requests wrote)."""
+    await eventually(lambda: len(gw.stdout_lines) >= since + expected, what=f"{expected} access log lines")
+    marker = f"marker-{uuid.uuid4().hex}"
+    assert (await send(gw, "/marker", **{"X-Request-ID": marker}))[0] == 200
+    await eventually(lambda: any(marker in line for line in gw.stdout_lines[since:]), what="the marker's line")
+    lines = gw.stdout_lines[since:]
+    return lines[: next(i for i, line in enumerate(lines) if marker in line)]
+
+
 async def send(gw: GatewayProcess, path: str, **headers: str) -> tuple[int, str]:
     async with aiohttp.ClientSession() as http, http.get(gw.url + path, headers=headers) as response:
         await response.read()
         return response.status, response.headers["X-Request-ID"]
 
 
-async def run_logged(upstream: str, fmt: str) -> tuple[GatewayProcess, list[tuple[int, str]]]:
+async def run_logged(gw: GatewayProcess) -> tuple[list[str], list[tuple[int, str]]]:
     forwarded = {"X-Forwarded-For": "203.0.113.7"}
-    with GatewayProcess(logged_yaml(upstream), args=("--access-log", fmt)) as gw:
-        answers = [
-            await send(gw, "/keyed/a", **forwarded, **{"X-API-Key": API_KEY}),
-            await send(gw, "/keyed/b", **forwarded, **{"X-API-Key": API_KEY}),
-            await send(gw, f"/query/c?api_key={QUERY_KEY}&page=2"),
-            await send(gw, "/status/503", **{"X-Request-ID": "client-chosen-42"}),
-        ]
-        async with aiohttp.ClientSession() as http:
-            assert value((await scrape(http, gw.admin_url))[1], "gateway_access_log_dropped_total") == 0
-        assert await asyncio.to_thread(gw.stop) == 0
-    return gw, answers
+    since = len(gw.stdout_lines)
+    answers = [
+        await send(gw, "/keyed/a", **forwarded, **{"X-API-Key": API_KEY}),
+        await send(gw, "/keyed/b", **forwarded, **{"X-API-Key": API_KEY}),
+        await send(gw, f"/query/c?api_key={QUERY_KEY}&page=2"),
+        await send(gw, "/status/503", **{"X-Request-ID": "client-chosen-42"}),
+    ]
+    lines = await own_lines(gw, since, len(answers))
+    async with aiohttp.ClientSession() as http:
+        assert value((await scrape(http, gw.admin_url))[1], "gateway_access_log_dropped_total") == 0
+    return lines, answers
 
 
 def assert_no_secret_in(lines: list[str]) -> None:
@@ -71,11 +107,12 @@ def assert_no_secret_in(lines: list[str]) -> None:
         assert API_KEY not in line and QUERY_KEY not in line, line
 
 
-async def test_json_access_log_carries_client_route_decision_upstream_and_request_id(upstream):
-    gw, answers = await run_logged(upstream, "json")
+async def test_json_access_log_carries_client_route_decision_upstream_and_request_id(logged):
+    gw = logged("json")
+    lines, answers = await run_logged(gw)
     assert [status for status, _ in answers] == [200, 429, 200, 503]
-    records = [json.loads(line) for line in gw.stdout_lines]
-    assert len(records) == 4, gw.stdout_lines
+    records = [json.loads(line) for line in lines]
+    assert len(records) == 4, lines
     first, second, query, plain = records
     assert [r["request_id"] for r in records] == [rid for _, rid in answers]
     assert plain["request_id"] == "client-chosen-42"
@@ -95,10 +132,11 @@ async def test_json_access_log_carries_client_route_decision_upstream_and_reques
     assert_no_secret_in(gw.stdout_lines + gw.stderr_lines)
 
 
-async def test_text_access_log_carries_the_same_on_one_line_each(upstream):
-    gw, answers = await run_logged(upstream, "text")
-    assert len(gw.stdout_lines) == 4, gw.stdout_lines
-    first, second, query, plain = gw.stdout_lines
+async def test_text_access_log_carries_the_same_on_one_line_each(logged):
+    gw = logged("text")
+    lines, answers = await run_logged(gw)
+    assert len(lines) == 4, lines
+    first, second, query, plain = lines
     assert '"GET /keyed/a" 200 ' in first
     assert f"client=203.0.113.7 request_id={answers[0][1]} " in first
     assert 'route="/keyed" decision=allow limits=per_key:allow:' in first
@@ -109,17 +147,17 @@ async def test_text_access_log_carries_the_same_on_one_line_each(upstream):
     assert_no_secret_in(gw.stdout_lines + gw.stderr_lines)
 
 
-async def test_duration_is_timed_finer_than_the_event_loop_clock(upstream):
+async def test_duration_is_timed_finer_than_the_event_loop_clock(logged):
     """uvloop's loop.time(), which aiohttp times requests with, moves in whole milliseconds
     and only once per loop iteration: a fast answer was logged as 0.0 ms, and shorter than
     its own upstream exchange."""
-    with GatewayProcess(logged_yaml(upstream), args=("--access-log", "json")) as gw:
-        async with aiohttp.ClientSession() as http:
-            for path in ["/plain"] * 10 + ["/slow?seconds=0.02"] * 3:
-                async with http.get(gw.url + path) as response:
-                    await response.read()
-        assert await asyncio.to_thread(gw.stop) == 0
-    records = [json.loads(line) for line in gw.stdout_lines]
+    gw = logged("json")
+    since = len(gw.stdout_lines)
+    async with aiohttp.ClientSession() as http:
+        for path in ["/plain"] * 10 + ["/slow?seconds=0.02"] * 3:
+            async with http.get(gw.url + path) as response:
+                await response.read()
+    records = [json.loads(line) for line in await own_lines(gw, since, 13)]
     assert len(records) == 13
     assert all(r["duration_ms"] > 0 for r in records), [r["duration_ms"] for r in records]
     assert any(r["duration_ms"] != int(r["duration_ms"]) for r in records), [r["duration_ms"] for r in records]
@@ -128,37 +166,39 @@ async def test_duration_is_timed_finer_than_the_event_loop_clock(upstream):
     assert all(r["duration_ms"] >= 20 for r in records[10:])
 
 
-async def test_a_websocket_handshake_logs_and_times_the_upstream_answer(upstream):
+async def test_a_websocket_handshake_logs_and_times_the_upstream_answer(logged):
     """The upstream's answer to a handshake (101, or the status it refused with) is its
     upstream_status, as an HTTP response's is, and is timed in gateway_upstream_latency_seconds."""
-    with GatewayProcess(logged_yaml(upstream), args=("--access-log", "json")) as gw:
-        async with aiohttp.ClientSession() as http:
-            async with http.ws_connect(gw.url + "/ws") as ws:
-                await ws.send_str("hi")
-                assert (await ws.receive()).data == "echo:hi"
-            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
-                await http.ws_connect(gw.url + "/status/403")
-            assert refused.value.status == 502
-            samples = (await scrape(http, gw.admin_url))[1]
-        assert await asyncio.to_thread(gw.stop) == 0
-    accepted, turned_away = (json.loads(line) for line in gw.stdout_lines)
+    gw = logged("json")
+    since = len(gw.stdout_lines)
+    async with aiohttp.ClientSession() as http:
+        before = value((await scrape(http, gw.admin_url))[1], "gateway_upstream_latency_seconds_count", route="/")
+        async with http.ws_connect(gw.url + "/ws") as ws:
+            await ws.send_str("hi")
+            assert (await ws.receive()).data == "echo:hi"
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await http.ws_connect(gw.url + "/status/403")
+        assert refused.value.status == 502
+        samples = (await scrape(http, gw.admin_url))[1]
+    lines = await own_lines(gw, since, 2)  # its marker's exchange is timed too, after the scrape
+    accepted, turned_away = (json.loads(line) for line in lines)
     assert (accepted["status"], accepted["upstream_status"]) == (101, 101)
     assert (turned_away["status"], turned_away["upstream_status"]) == (502, 403)
     assert accepted["upstream_ms"] > 0 and turned_away["upstream_ms"] > 0
-    assert value(samples, "gateway_upstream_latency_seconds_count", route="/") == 2
+    assert value(samples, "gateway_upstream_latency_seconds_count", route="/") - before == 2
 
 
-async def test_the_credentials_of_an_absolute_form_target_are_not_logged(upstream):
+@pytest.mark.parametrize("fmt", ["json", "text"])
+async def test_the_credentials_of_an_absolute_form_target_are_not_logged(logged, fmt):
     """`GET http://user:password@host/path` is routed by its path; the user information,
     a credential like a query's API key, is written as `***`."""
     request = b"GET http://ops:hunter2-pw@gw.test/echo?q=1 HTTP/1.1\r\nHost: gw.test\r\nConnection: close\r\n\r\n"
-    for fmt in ("json", "text"):
-        with GatewayProcess(logged_yaml(upstream), args=("--access-log", fmt)) as gw:
-            assert (await raw_exchange(gw.url, request))[0] == 200
-            assert await asyncio.to_thread(gw.stop) == 0
-        (line,) = gw.stdout_lines
-        assert "hunter2" not in line and "ops" not in line, line
-        assert "GET http://***@gw.test/echo?q=***" in (f"GET {json.loads(line)['path']}" if fmt == "json" else line)
+    gw = logged(fmt)
+    since = len(gw.stdout_lines)
+    assert (await raw_exchange(gw.url, request))[0] == 200
+    (line,) = await own_lines(gw, since, 1)
+    assert "hunter2" not in line and "ops" not in line, line
+    assert "GET http://***@gw.test/echo?q=***" in (f"GET {json.loads(line)['path']}" if fmt == "json" else line)
 
 
 async def echoed_request_id(http: aiohttp.ClientSession, url: str, **headers: str) -> tuple[list[str], str | None]:
@@ -239,15 +279,15 @@ def unescaped(text: str) -> bytes:
 
 
 @pytest.mark.parametrize("fmt", ["text", "json"])
-async def test_hostile_request_targets_and_user_agents_stay_one_unforgeable_line_each(upstream, fmt):
-    with GatewayProcess(logged_yaml(upstream), args=("--access-log", fmt)) as gw:
-        statuses = []
-        for line, agent in HOSTILE_REQUESTS:
-            request = line + b" HTTP/1.1\r\nHost: gw\r\nUser-Agent: " + agent + b"\r\nConnection: close\r\n\r\n"
-            statuses.append((await raw_exchange(gw.url, request))[0])
-        assert await asyncio.to_thread(gw.stop) == 0
+async def test_hostile_request_targets_and_user_agents_stay_one_unforgeable_line_each(logged, fmt):
+    gw = logged(fmt)
+    since = len(gw.stdout_lines)
+    statuses = []
+    for line, agent in HOSTILE_REQUESTS:
+        request = line + b" HTTP/1.1\r\nHost: gw\r\nUser-Agent: " + agent + b"\r\nConnection: close\r\n\r\n"
+        statuses.append((await raw_exchange(gw.url, request))[0])
     assert statuses == [200, 400, 400]
-    lines = "".join(gw.stdout_lines).splitlines()  # splits at U+2028 and U+0085 too
+    lines = "".join(await own_lines(gw, since, len(HOSTILE_REQUESTS))).splitlines()  # splits at U+2028 and U+0085 too
     assert len(lines) == len(HOSTILE_REQUESTS), lines
     for line, (sent_line, agent) in zip(lines, HOSTILE_REQUESTS):
         if fmt == "json":
@@ -275,19 +315,19 @@ def strictly_json(line: str) -> dict:
     return record
 
 
-async def test_undecodable_bytes_in_a_json_line_are_escaped_as_in_a_text_line(upstream):
+async def test_undecodable_bytes_in_a_json_line_are_escaped_as_in_a_text_line(logged):
     agent = b"probe/1 \xff \xc0\xaf ok \xc3\xa9"  # \xff and \xc0\xaf are not UTF-8; \xc3\xa9 is
     request = b"GET /echo/x HTTP/1.1\r\nHost: gw\r\nUser-Agent: " + agent + b"\r\nConnection: close\r\n\r\n"
-    logged = {}
+    lines = {}
     for fmt in ("json", "text"):
-        with GatewayProcess(logged_yaml(upstream), args=("--access-log", fmt)) as gw:
-            assert (await raw_exchange(gw.url, request))[0] == 200
-            assert await asyncio.to_thread(gw.stop) == 0
-        (logged[fmt],) = gw.stdout_lines
-    record = strictly_json(logged["json"])
+        gw = logged(fmt)
+        since = len(gw.stdout_lines)
+        assert (await raw_exchange(gw.url, request))[0] == 200
+        (lines[fmt],) = await own_lines(gw, since, 1)
+    record = strictly_json(lines["json"])
     assert record["user_agent"] == "probe/1 \\xFF \\xC0\\xAF ok é"
-    match = TEXT_LINE.fullmatch(logged["text"].rstrip("\n"))
-    assert match is not None, logged["text"]
+    match = TEXT_LINE.fullmatch(lines["text"].rstrip("\n"))
+    assert match is not None, lines["text"]
     assert match.group(3) == "probe/1 \\xFF \\xC0\\xAF ok \\xC3\\xA9"  # the same escape; the text line escapes é too
 
 
@@ -303,18 +343,25 @@ routes:
 SENDERS = 8
 # A pipe holds 64 KiB, about 160 of these lines: 2,000 leave most of them queued.
 QUEUED = 2_000
+# Requests a sender pipelines on one connection: fewer than keepalive_requests (1,000).
+PIPELINED = 500
+CLOSE = "Connection: close\r\n"
 
 
 async def send_numbered(gw: GatewayProcess, count: int) -> None:
     """`count` requests from SENDERS clients at once, each numbering its own in X-Request-ID
-    (`s3-41`); each must be answered, and within its timeout."""
-    timeout = aiohttp.ClientTimeout(total=10)
+    (`s3-41`) and pipelining them, PIPELINED to a connection; each must be answered, with no
+    wait for the next answer longer than the raw client's timeout."""
 
     async def sender(k: int) -> None:
-        async with aiohttp.ClientSession(timeout=timeout) as http:
-            for i in range(count // SENDERS):
-                async with http.get(gw.url + "/nowhere", headers={"X-Request-ID": f"s{k}-{i}"}) as response:
-                    assert response.status == 404
+        numbers = range(count // SENDERS)
+        for first in range(0, len(numbers), PIPELINED):
+            batch = numbers[first : first + PIPELINED]
+            requests = [
+                f"GET /nowhere HTTP/1.1\r\nHost: gw\r\nX-Request-ID: s{k}-{i}\r\n{CLOSE if i == batch[-1] else ''}\r\n".encode()
+                for i in batch
+            ]
+            assert await pipelined(gw.url, requests) == [404] * len(batch)
 
     await asyncio.gather(*(sender(k) for k in range(SENDERS)))
 

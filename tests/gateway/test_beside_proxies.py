@@ -17,6 +17,9 @@ aiohttp upstream as the application.
 - Through both, a client's own X-Forwarded-For does not change the address it is limited by.
 - Traefik's and Envoy's snippets (no binary here): they parse, and name only the keys
   those proxies read.
+
+The tests that never stop the gateway share one per config, each limited by a key or a
+client address of its own; those that stop it, or run the page's YAML, start their own.
 """
 
 from __future__ import annotations
@@ -83,6 +86,31 @@ def limited(
     )
 
 
+@pytest.fixture(scope="module")
+def shared_limited():
+    """`shared_limited(**options)`: the decision port of a gateway started as `limited(port,
+    **options)` at the first test that asks for those options, and shared by every test that
+    does: each such test is limited by a key or client address of its own."""
+    started: dict[tuple[tuple[str, str], ...], int] = {}
+    with contextlib.ExitStack() as stack:
+
+        def decision_port(**options: str) -> int:
+            key = tuple(sorted(options.items()))
+            if key not in started:
+                port = free_port()
+                stack.enter_context(limited(port, **options))
+                started[key] = port
+            return started[key]
+
+        yield decision_port
+
+
+@pytest.fixture(scope="module")
+def dead_store() -> str:
+    """A store block naming a port nothing listens on."""
+    return f"store: {{url: 'redis://127.0.0.1:{free_port()}/0'}}"
+
+
 @contextlib.asynccontextmanager
 async def application() -> AsyncIterator[tuple[RecordingUpstream, int]]:
     """The application behind the proxy: it records each request and echoes it (method,
@@ -122,17 +150,13 @@ def assert_limited(answers: list[tuple[int, CIMultiDict[str], bytes]]) -> None:
 
 @pytest.mark.parametrize("choice", CHOICES)
 @pytest.mark.parametrize("proxy", sorted(PROXIES))
-async def test_the_burst_passes_and_the_429_reaches_the_client(proxy: str, choice: str) -> None:
-    decision_port = free_port()
+async def test_the_burst_passes_and_the_429_reaches_the_client(shared_limited, proxy: str, choice: str) -> None:
+    decision_port = shared_limited()
     async with application() as (upstream, app_port):
-        with limited(decision_port), PROXIES[proxy](
-            decision_port=decision_port, upstream_port=app_port, choice=choice
-        ) as url:
+        with PROXIES[proxy](decision_port=decision_port, upstream_port=app_port, choice=choice) as url:
             async with aiohttp.ClientSession() as client:
-                answers = [
-                    await send(client, url + "/api/items", headers={"X-RateLimit-Unchecked": "forged"})
-                    for _ in range(BURST + 1)
-                ]
+                headers = {"X-RateLimit-Unchecked": "forged", "X-API-Key": f"burst-{proxy}-{choice}"}
+                answers = [await send(client, url + "/api/items", headers=headers) for _ in range(BURST + 1)]
     assert_limited(answers)
     assert upstream.requests == BURST
 
@@ -167,32 +191,30 @@ async def test_fail_open_while_the_gateway_is_stopped(proxy: str) -> None:
 
 @pytest.mark.parametrize("choice", CHOICES)
 @pytest.mark.parametrize("proxy", sorted(PROXIES))
-async def test_a_fail_closed_limit_stays_closed(proxy: str, choice: str) -> None:
+async def test_a_fail_closed_limit_stays_closed(shared_limited, dead_store, proxy: str, choice: str) -> None:
     """The gateway answers, refusing: a fail-closed limit whose store is down. That is not
     the gateway down, so not even the fail-open snippets let the request through."""
-    decision_port = free_port()
-    dead_store = f"store: {{url: 'redis://127.0.0.1:{free_port()}/0'}}"
+    decision_port = shared_limited(store=dead_store, policy="closed")
     async with application() as (upstream, app_port):
-        with limited(decision_port, store=dead_store, policy="closed"), PROXIES[proxy](
-            decision_port=decision_port, upstream_port=app_port, choice=choice
-        ) as url:
+        with PROXIES[proxy](decision_port=decision_port, upstream_port=app_port, choice=choice) as url:
             async with aiohttp.ClientSession() as client:
-                status, headers, body = await send(client, url + "/api/items")
+                status, headers, body = await send(client, url + "/api/items", headers={"X-API-Key": f"closed-{proxy}-{choice}"})
     assert status == 503
     assert headers["Retry-After"] == "1"  # the gateway's, not the snippets' 5
     assert json.loads(body)["status"] == 503
     assert upstream.requests == 0
 
 
-@pytest.mark.parametrize("proxy", sorted(PROXIES))
-async def test_a_client_cannot_name_its_own_address(proxy: str) -> None:
+@pytest.mark.parametrize(("proxy", "client_address"), [("caddy", "127.0.0.3"), ("nginx", "127.0.0.2")])
+async def test_a_client_cannot_name_its_own_address(shared_limited, proxy: str, client_address: str) -> None:
     """Limited by `ip`: a client that sends X-Forwarded-For of its own is still known by the
     address the proxy saw (nginx appends it, Caddy replaces the header). The client is
-    127.0.0.2: loopback, but not a trusted proxy as 127.0.0.1 is."""
-    decision_port = free_port()
+    127.0.0.2 or, behind Caddy, 127.0.0.3 (the two share a gateway): loopback, but not a
+    trusted proxy as 127.0.0.1 is."""
+    decision_port = shared_limited(key="ip")
     async with application() as (upstream, app_port):
-        with limited(decision_port, key="ip"), PROXIES[proxy](decision_port=decision_port, upstream_port=app_port) as url:
-            connector = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
+        with PROXIES[proxy](decision_port=decision_port, upstream_port=app_port) as url:
+            connector = aiohttp.TCPConnector(local_addr=(client_address, 0))
             async with aiohttp.ClientSession(connector=connector) as client:
                 answers = [
                     await send(client, url + "/api/items", headers={"X-Forwarded-For": f"203.0.113.{n}"})
@@ -203,13 +225,13 @@ async def test_a_client_cannot_name_its_own_address(proxy: str) -> None:
 
 
 @pytest.mark.parametrize("choice", CHOICES)
-async def test_caddy_leaves_the_applications_own_errors_alone(choice: str) -> None:
+async def test_caddy_leaves_the_applications_own_errors_alone(shared_limited, choice: str) -> None:
     """The gateway allows, the application is down: Caddy's own empty 502, neither sent to
     the application again nor told as the rate limiter's failure."""
-    decision_port, app_port = free_port(), free_port()  # nothing listens on app_port
-    with limited(decision_port), running_caddy(decision_port=decision_port, upstream_port=app_port, choice=choice) as url:
+    decision_port, app_port = shared_limited(), free_port()  # nothing listens on app_port
+    with running_caddy(decision_port=decision_port, upstream_port=app_port, choice=choice) as url:
         async with aiohttp.ClientSession() as client:
-            status, headers, body = await send(client, url + "/api/items")
+            status, headers, body = await send(client, url + "/api/items", headers={"X-API-Key": f"down-app-{choice}"})
     assert status == 502
     assert body == b""
     assert "Retry-After" not in headers
@@ -243,14 +265,12 @@ async def test_fail_closed_while_the_gateway_is_stopped(proxy: str) -> None:
     assert upstream.requests == 0
 
 
-async def test_nginx_fails_open_only_when_the_gateway_cannot_be_asked() -> None:
+async def test_nginx_fails_open_only_when_the_gateway_cannot_be_asked(shared_limited) -> None:
     """A gateway that answers 400 (nginx is not in its trusted_proxies: a setup mistake) is
     not a gateway that is down: the request gets nginx's 500, never the application."""
-    decision_port = free_port()
+    decision_port = shared_limited(trusted="10.0.0.0/8")
     async with application() as (upstream, app_port):
-        with limited(decision_port, trusted="10.0.0.0/8"), running_nginx(
-            decision_port=decision_port, upstream_port=app_port
-        ) as url:
+        with running_nginx(decision_port=decision_port, upstream_port=app_port) as url:
             async with aiohttp.ClientSession() as client:
                 status, _, _ = await send(client, url + "/api/items")
     assert status == 500

@@ -4,7 +4,10 @@ trustme, llhttp in charge of parsing, and aiohttp at or above its last advisory.
 
 The public listener serving no admin path is tested in tests/gateway/test_admin.py
 (`test_admin_paths_*`): /metrics, /healthz and /readyz are proxied like any
-path, or get the 404 of an unmatched path."""
+path, or get the 404 of an unmatched path.
+
+The tests that only connect to a TLS listener share one gateway process (`tls_gateway`);
+a reload and another parser start their own."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import json
 import re
 import signal
 import ssl
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -124,15 +128,20 @@ def ca():
     return trustme.CA()
 
 
-@pytest.fixture
-def certificate(ca, tmp_path):
+def issue(ca, directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and localhost signed by `ca`, and its key, written to `directory`."""
     issued = ca.issue_cert("127.0.0.1", "localhost")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert, key = directory / "cert.pem", directory / "key.pem"
     issued.cert_chain_pems[0].write_to_path(str(cert))
     for pem in issued.cert_chain_pems[1:]:
         pem.write_to_path(str(cert), append=True)
     issued.private_key_pem.write_to_path(str(key))
     return cert, key
+
+
+@pytest.fixture
+def certificate(ca, tmp_path):
+    return issue(ca, tmp_path)
 
 
 def tls_config(upstream: str, cert, key, min_version: str | None = None) -> str:
@@ -146,6 +155,15 @@ routes:
 """
 
 
+@pytest.fixture(scope="module")
+def tls_gateway(ca, tmp_path_factory, module_upstream):
+    """One gateway process for the tests that only connect to it: TLS on its public listener
+    (TLSv1.3 or newer), a client_header_timeout of 200ms, the module's upstream behind it."""
+    cert, key = issue(ca, tmp_path_factory.mktemp("tls"))
+    with GatewayProcess(tls_config(module_upstream, cert, key, "TLSv1.3") + "client_header_timeout: 200ms\n") as gw:
+        yield gw
+
+
 def client_context(ca, *, maximum: ssl.TLSVersion | None = None) -> ssl.SSLContext:
     context = ssl.create_default_context()
     ca.configure_trust(context)
@@ -154,33 +172,30 @@ def client_context(ca, *, maximum: ssl.TLSVersion | None = None) -> ssl.SSLConte
     return context
 
 
-async def test_the_public_listener_serves_tls_with_the_configured_certificate(upstream, ca, certificate):
-    cert, key = certificate
-    with GatewayProcess(tls_config(upstream, cert, key)) as gw:
-        assert gw.url.startswith("https://127.0.0.1:")
-        connector = aiohttp.TCPConnector(ssl=client_context(ca))
-        async with aiohttp.ClientSession(connector=connector) as session:
-            async with session.get(gw.url + "/echo/tls") as response:
-                assert response.status == 200
-                echo = await response.json()
-            # Plain HTTP on the TLS port gets no answer in the clear.
-            with pytest.raises(aiohttp.ClientError):
-                async with session.get(gw.url.replace("https://", "http://") + "/echo/plain") as response:
-                    await response.read()
+async def test_the_public_listener_serves_tls_with_the_configured_certificate(tls_gateway, ca):
+    gw = tls_gateway
+    assert gw.url.startswith("https://127.0.0.1:")
+    connector = aiohttp.TCPConnector(ssl=client_context(ca))
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async with session.get(gw.url + "/echo/tls") as response:
+            assert response.status == 200
+            echo = await response.json()
+        # Plain HTTP on the TLS port gets no answer in the clear.
+        with pytest.raises(aiohttp.ClientError):
+            async with session.get(gw.url.replace("https://", "http://") + "/echo/plain") as response:
+                await response.read()
     assert echo["path"] == "/echo/tls"
     assert ["X-Forwarded-Proto", "https"] in echo["headers"]
 
 
-async def test_tls_min_version_refuses_older_clients(upstream, ca, certificate):
-    cert, key = certificate
-    with GatewayProcess(tls_config(upstream, cert, key, "TLSv1.3")) as gw:
-        host, port = gw.url.removeprefix("https://").split(":")
-        with pytest.raises((ssl.SSLError, ConnectionResetError)):  # an alert, or a reset first
-            await asyncio.open_connection(host, int(port), ssl=client_context(ca, maximum=ssl.TLSVersion.TLSv1_2))
-        _reader, writer = await asyncio.open_connection(host, int(port), ssl=client_context(ca))
-        assert writer.get_extra_info("ssl_object").version() == "TLSv1.3"
-        writer.close()
-        await writer.wait_closed()
+async def test_tls_min_version_refuses_older_clients(tls_gateway, ca):
+    host, port = tls_gateway.url.removeprefix("https://").split(":")
+    with pytest.raises((ssl.SSLError, ConnectionResetError)):  # an alert, or a reset first
+        await asyncio.open_connection(host, int(port), ssl=client_context(ca, maximum=ssl.TLSVersion.TLSv1_2))
+    _reader, writer = await asyncio.open_connection(host, int(port), ssl=client_context(ca))
+    assert writer.get_extra_info("ssl_object").version() == "TLSv1.3"
+    writer.close()
+    await writer.wait_closed()
 
 
 @pytest.mark.parametrize(
@@ -236,25 +251,19 @@ async def test_running_gateway_serves_listen_tls_as_the_cli_does(upstream, ca, c
 
 
 @pytest.mark.parametrize("sent", [b"", b"\x16\x03\x01\x00\xff\x01"], ids=["nothing", "half a ClientHello"])
-async def test_a_tls_handshake_that_stalls_is_closed_at_client_header_timeout(upstream, certificate, sent):
-    cert, key = certificate
-    config = tls_config(upstream, cert, key) + "client_header_timeout: 200ms\n"
-    with GatewayProcess(config) as gw:
-        host, port = gw.url.removeprefix("https://").split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(sent)
-        # Closed at the timeout, not at asyncio's 60 s handshake default; 5 s is only a bound.
-        with contextlib.suppress(ConnectionResetError):
-            assert await asyncio.wait_for(reader.read(), 5) == b""
-        writer.close()
-        log = "".join(gw.stderr_lines)
-    assert "Traceback" not in log
+async def test_a_tls_handshake_that_stalls_is_closed_at_client_header_timeout(tls_gateway, sent):
+    host, port = tls_gateway.url.removeprefix("https://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(sent)
+    # Closed at the timeout, not at asyncio's 60 s handshake default; 5 s is only a bound.
+    with contextlib.suppress(ConnectionResetError):
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+    assert "Traceback" not in "".join(tls_gateway.stderr_lines)
 
 
-async def test_the_listener_answers_alpn_with_http_1_1(upstream, ca, certificate):
-    cert, key = certificate
-    with GatewayProcess(tls_config(upstream, cert, key)) as gw:
-        _, protocol = await served_certificate(gw.url, ca)
+async def test_the_listener_answers_alpn_with_http_1_1(tls_gateway, ca):
+    _, protocol = await served_certificate(tls_gateway.url, ca)
     assert protocol == "http/1.1"
 
 
@@ -289,11 +298,10 @@ def test_listen_may_still_be_a_plain_address():
 # --- the parser and the aiohttp pin ----------------------------------------------------
 
 
-async def test_aiohttp_parses_requests_with_llhttp_in_the_gateway_process(upstream):
+def test_aiohttp_parses_requests_with_llhttp_in_the_gateway_process(tls_gateway):
     # Most aiohttp request-smuggling advisories hit only the pure-Python parser.
     assert request_parser() == "llhttp"
-    with GatewayProcess(f"admin_listen: 127.0.0.1:0\nroutes:\n  - match: {{path: /}}\n    upstream: {upstream}\n") as gw:
-        startup = next(line for line in gw.stderr_lines if "listening on" in line)
+    startup = next(line for line in tls_gateway.stderr_lines if "listening on" in line)
     assert startup.rstrip().endswith("parser: llhttp"), startup
 
 

@@ -8,9 +8,9 @@ key, the ip fallback, or a 400 (401 for a bad token where the config says so);
 never a 500, and never a bucket the upstream would not recognise.
 
 How it is observed, with real parts only: each example gets a fresh in-process
-gateway in front of the echo upstream, and one limit with a burst of 1000. The
-request R goes over a raw socket from 127.0.0.1 (untrusted) or 127.0.0.2 (a
-trusted proxy). If it is forwarded, the echo shows what the upstream received;
+gateway in front of the echo upstream (its config, one of a few, parsed once), and one
+limit with a burst of 1000. The request R goes over a raw socket from 127.0.0.1
+(untrusted) or 127.0.0.2 (a trusted proxy). If it is forwarded, the echo shows what the upstream received;
 `upstream_identity` below, written from the rules in docs/configuration.md and not from the
 gateway's code, computes the identity from that alone. A probe P carrying only
 that identity, in its plainest form, then follows: R's RateLimit header said
@@ -20,6 +20,7 @@ charged again. Any other bucket would say 999.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 import time
@@ -31,6 +32,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from yarl import URL
 
+from gateway.config import GatewayConfig
 from gateway.limiter.keys import DIGEST_BYTES, bucket_key, identity_digest
 from gateway.testing import config_from_yaml, running_gateway
 from tests.raw_client import echoed, raw_request, request_bytes
@@ -45,6 +47,13 @@ SETTINGS = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
+
+
+@functools.cache
+def parsed_config(text: str) -> GatewayConfig:
+    """`text` parsed, once per text: a GatewayConfig is frozen, and a few key orders and
+    two forwarded_headers settings make all the configs the examples run."""
+    return config_from_yaml(text, environ={"JWT_SECRET": SECRET})
 
 
 def property_config(upstream: str, forwarded_headers: str, sources: tuple[str, ...] = SOURCES) -> str:
@@ -273,8 +282,7 @@ def with_reproductions(test):
 @given(sent=client_requests(), order=key_orders)
 async def test_the_limiter_charges_the_client_the_upstream_sees(upstream, forwarded_headers, sent, order):
     peer, target, lines = sent
-    config = config_from_yaml(property_config(upstream, forwarded_headers, order), environ={"JWT_SECRET": SECRET})
-    async with running_gateway(config) as gw:
+    async with running_gateway(parsed_config(property_config(upstream, forwarded_headers, order))) as gw:
         status, headers, body = await raw_request(gw.url, request_bytes(target, lines), local_host=peer)
         assert status in (200, 400), body
         event(f"status {status}")
@@ -295,9 +303,8 @@ async def test_the_limiter_charges_the_client_the_upstream_sees(upstream, forwar
 @SETTINGS
 @given(token=st.one_of(st.text(max_size=200), st.binary(max_size=200).map(lambda b: b.decode("latin-1"))))
 async def test_with_on_invalid_reject_any_authorization_value_is_401_400_or_the_fallback(upstream, token):
-    config = config_from_yaml(
-        property_config(upstream, "replace").replace("{secret_env: JWT_SECRET}", "{secret_env: JWT_SECRET, on_invalid: reject}"),
-        environ={"JWT_SECRET": SECRET},
+    config = parsed_config(
+        property_config(upstream, "replace").replace("{secret_env: JWT_SECRET}", "{secret_env: JWT_SECRET, on_invalid: reject}")
     )
     value = token.encode("utf-8", "surrogateescape").replace(b"\r", b"").replace(b"\n", b"").replace(b"\x00", b"")
     async with running_gateway(config) as gw:

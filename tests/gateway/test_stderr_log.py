@@ -16,6 +16,7 @@ import aiohttp
 
 from gateway.log_lines import FLUSH_SECONDS, STDERR_QUEUE_LINES
 from tests.processes import GatewayProcess, eventually, free_port
+from tests.raw_client import pipelined
 from tests.scrape import scrape, value
 
 # Requests are sent phase by phase, each phase to its own refusing upstream, so the
@@ -37,18 +38,19 @@ def refusing_yaml() -> str:
     return f"listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nshutdown_grace: 1s\nroutes:\n{routes}"
 
 
-async def send_phases(gw: GatewayProcess) -> None:
-    """PER_PHASE requests to each phase's route in turn, SENDERS at once; each must be answered 502, in time."""
-    timeout = aiohttp.ClientTimeout(total=10)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+async def send_phases(gw: GatewayProcess, phases: int = PHASES) -> None:
+    """PER_PHASE requests to each of the first `phases` routes in turn, SENDERS at once,
+    each sender pipelining its share on one connection; each must be answered 502, with no
+    wait for the next answer longer than the raw client's timeout."""
 
-        async def sender(path: str) -> None:
-            for _ in range(PER_PHASE // SENDERS):
-                async with http.get(gw.url + path) as response:
-                    assert response.status == 502
+    async def sender(path: str) -> None:
+        count = PER_PHASE // SENDERS
+        requests = [f"GET {path} HTTP/1.1\r\nHost: gw\r\n\r\n".encode()] * (count - 1)
+        requests.append(f"GET {path} HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n".encode())
+        assert await pipelined(gw.url, requests) == [502] * count
 
-        for phase in range(PHASES):
-            await asyncio.gather(*(sender(f"/p{phase}") for _ in range(SENDERS)))
+    for phase in range(phases):
+        await asyncio.gather(*(sender(f"/p{phase}") for _ in range(SENDERS)))
 
 
 async def dropped(gw: GatewayProcess) -> float:
@@ -90,6 +92,6 @@ async def test_a_stalled_stderr_costs_log_lines_never_requests():
 async def test_a_stop_exits_within_the_grace_when_stderr_is_blocked():
     """shutdown_grace is 1s; the queued lines get FLUSH_SECONDS more, then are given up."""
     with GatewayProcess(refusing_yaml(), read_stderr=False) as gw:
-        await send_phases(gw)
+        await send_phases(gw, 2)  # lines past what the pipe takes: the writer is blocked at the stop
         gw.signal(signal.SIGTERM)
         assert await asyncio.to_thread(gw.wait, 1 + FLUSH_SECONDS + 3) == 0
