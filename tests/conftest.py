@@ -11,6 +11,7 @@ from tests.processes import RedisServer, SentinelServer, wait_until
 from tests.upstream import running_upstream, upstream_in_a_thread
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the group from the marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The modules marked `timing` (all in tests/load/) measure latency, load, exactness under load or memory:
     under pytest-xdist they form one group, so one worker runs them one at a time while
@@ -19,6 +20,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("timing") is not None:
             item.add_marker(pytest.mark.xdist_group("timing"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On a worker under `--dist loadgroup`, pytest-xdist names each grouped test `ID@timing`,
+    and that name is what keeps the group on one worker; fail loudly if a pytest ignored it,
+    rather than run the timing modules at once."""
+    if getattr(session.config.option, "loadgroup", False):
+        loose = [item.nodeid for item in session.items if item.get_closest_marker("timing") and not item.nodeid.endswith("@timing")]
+        if loose:
+            raise pytest.UsageError(f"the timing group was not applied ({loose[0]}): this pytest and pytest-xdist do not agree")
 
 
 @pytest.fixture
