@@ -242,6 +242,23 @@ def test_a_body_past_the_held_bound_is_scanned_not_held():
         assert read(JSON, broken, [c for c in cuts if c < len(broken)]) is None
 
 
+def test_deep_values_long_strings_and_escaped_keys_read_as_json_reads_them():
+    # Nested deeper than the scan's regex reads in one match, string runs longer than it
+    # matches (found with bytes.find), escapes between them; keys json is spared unless an
+    # escape could spell them.
+    run = "x" * 300
+    deep = '[{"a": ' * 7 + '"' + run + '\\"' + run + "\\\\" + '"' + "}]" * 7
+    text = '"' + ("\\n" + run) * 3 + '\\u0041"'
+    body = ('{"d": ' + deep + ', "s": ' + text + ', "usage": {"total_tokens": 30}}').encode()
+    assert reference(body, ["usage", "total_tokens"]) == 30
+    assert every_way(body) == {30}
+    assert every_way(body.replace(b'"total_tokens"', b'"total_tokens\\\\"')) == {None}
+    slash = parse_usage_source("json:a/b")
+    for spelled in b'{"a/b": 5}', b'{"a\\/b": 5}', b'{"\\u0061/b": 5}', b'{"a\\\\/b": 5, "x": "\\/"}':
+        assert read(slash, spelled) == reference(spelled, ["a/b"])
+        assert read(parse_usage_source("sse-json:a/b"), b"data: " + spelled + b"\n\n") == reference(spelled, ["a/b"])
+
+
 def test_a_compressed_body_is_not_read():
     assert read(JSON, OPENAI, headers={"Content-Encoding": "gzip"}) is None
     assert read(JSON, OPENAI, headers={"Content-Encoding": "identity"}) == 30
