@@ -16,10 +16,14 @@ than the gateway may. The limit refills one unit a year, so what the admin API s
 missing from the bucket is what was charged.
 
 Sizes: 5 GiB for the stream; for the JSON body, the 1 GiB every response streams within
-today (tests/load/test_proxy_streaming.py). On the 2-core VM the relay with the cost limit
-ran at about 330 MB/s for this stream (16 s) and 160 MB/s for this body (7 s), the usage
-reader being what limits it; a 5 GiB body would read the same code (the scan of a long
-string) for 25 s more, so the suite's time is kept for the rest.
+today (tests/load/test_proxy_streaming.py). What limits the relay is CPU on both cores:
+for the stream the gateway spent about 9 s (half of it in the usage reader, which spares
+json every chunk without the usage's key) and this test's process about 12 s, 7 of them
+in its two SHA-1s; for the body, 1 s and 2.5 s (the reader finds the end of the long
+string with memchr). On the 2-core VM, shared with other work, that was 180 to 330 MB/s
+for the stream (16 to 30 s) and 190 to 520 MB/s for the body (2 to 6 s). A 5 GiB body
+would run the same code (the scan of a long string) for about 12 s more of CPU, so the
+suite's time is kept for the rest.
 
 Not in the serial `timing` group: nothing here is timed, and what is measured, one gateway
 process's own RSS, no other test moves."""
@@ -75,8 +79,9 @@ def _chunk_event(content: str) -> bytes:
     return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
-# Four chunk events of about 16 KiB each (each read by json, in C); the content has quotes,
-# escapes and a `"usage"` of its own, which is text and not the member.
+# Four chunk events of about 16 KiB each (each held whole, as a chunk is, and left unparsed:
+# no key in it is total_tokens); the content has quotes, escapes and a `"usage"` of its own,
+# which is text and not the member.
 _CONTENT = 'say "usage": {"total_tokens": 1}\n' + "lorem ipsum dolor sit amet " * 580
 SSE_BLOCK = _chunk_event(_CONTENT) * 4
 # A 64 KiB piece of one JSON string: escapes are whole within it, so repeats stay a string.
