@@ -30,6 +30,8 @@ process's own RSS, no other test moves."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
 import time
@@ -51,6 +53,8 @@ MISSING = 4000
 USAGE = {"prompt_tokens": 1234, "completion_tokens": 987654, "total_tokens": 988888}
 # Past the reader's HELD_TEXT (16 KiB), so the malformed and cut cases read through the scan.
 SMALL = 64 << 20
+# How long the upstream waits for the client to read all but the cut event.
+CATCH_UP = 30.0
 
 CONFIG = """
 store: {{url: "{url}"}}
@@ -103,12 +107,22 @@ def _usage_event(usage: object) -> bytes:
 class Upstream:
     """GET /sse?size=N&usage=...&cut=1 and GET /json?size=N&usage=...: at least N bytes of
     repeated blocks, then the usage (`usage` is the JSON of the usage object, default USAGE).
-    `cut=1`: the usage event goes without its blank line and the connection is dropped.
-    Keeps the count and SHA-1 of the bytes it wrote."""
+    `cut=1`: the usage event goes without its blank line and the connection is dropped, once
+    the client has read all the rest (`client_read`): aiohttp's client drops what it holds
+    unread when the connection breaks, so a cut while it lags would lose bytes the gateway
+    relayed. Keeps the count and SHA-1 of the bytes it wrote."""
 
     def __init__(self) -> None:
         self.sent = 0
         self.digest = ""
+        self._read = 0
+        self._caught_up = asyncio.Event()
+
+    def client_read(self, count: int) -> None:
+        """The test's client has read `count` bytes of the body."""
+        self._read = count
+        if self.sent and count >= self.sent:
+            self._caught_up.set()
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         size = int(request.query["size"])
@@ -134,6 +148,10 @@ class Upstream:
         if sse and request.query.get("cut") == "1":
             await write(_usage_event(usage)[:-1])  # the event's data line, not the blank line ending it
             self.sent, self.digest = sent, hashed.hexdigest()
+            self.client_read(self._read)
+            # Bounded, so that bytes lost on the way fail the test's check rather than hang it.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._caught_up.wait(), CATCH_UP)
             request.transport.abort()  # type: ignore[union-attr]
             return response
         await write(_usage_event(usage) + b"data: [DONE]\n\n" if sse else _json_tail(usage))
@@ -216,6 +234,7 @@ async def test_a_stream_cut_in_its_usage_event_charges_missing(gateway, upstream
                 async for chunk in response.content.iter_any():
                     hashed.update(chunk)
                     received += len(chunk)
+                    answering.client_read(received)
         # What came before the cut came unchanged, the unended usage event included.
         assert (received, hashed.hexdigest()) == (answering.sent, answering.digest)
 
