@@ -27,6 +27,10 @@ def main() -> None:
     print(f"\njson, the OpenAI body of {len(OPENAI)} bytes: {(time.perf_counter() - started) / 10_000 * 1e6:.1f} µs per response")
     stream = b"".join(_chunk(None, "word ") for _ in range(100_000)) + _chunk(usage, "") + b"data: [DONE]\n\n"
     print(f"sse-json, OpenAI chunks of {len(_chunk(None, 'word '))} bytes: {len(stream) / 1e6:.0f} MB at {_throughput(SSE, stream):.0f} MB/s")
+    # Chunks as long as a held text gets, each with `"usage": null`: the 5 GiB stream's events.
+    event = _chunk(None, 'a "usage": {"total_tokens": 1}\n' + "lorem ipsum dolor sit amet " * 580)
+    stream = event * 2_000 + _chunk(usage, "") + b"data: [DONE]\n\n"
+    print(f"sse-json, chunks of {len(event)} bytes: {len(stream) / 1e6:.0f} MB at {_throughput(SSE, stream):.0f} MB/s")
 
 
 if __name__ == "__main__":

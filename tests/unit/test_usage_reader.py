@@ -4,9 +4,10 @@ count out, no I/O.
 Fixed cases pin what each source reads and what says nothing, each read both ways a
 JSON text is read: held and parsed (up to HELD_TEXT) and streamed through the scan
 (gateway/config/json_scan.py). A generated-JSON property holds the scan to Python's json
-(parse, then walk the path) at random chunk boundaries; SSE streams are split at every byte; a 200 MB body is scanned
-under tracemalloc to show that what the reader holds stays bounded. The scan's speed is
-printed (run with -s), not asserted.
+(parse, then walk the path) at random chunk boundaries; SSE streams are split at every
+byte; a 64 MB body and a 50 MB event are scanned under tracemalloc to show that what the
+reader holds stays bounded. The reader's speed is measured by `python -m
+tests.bench.usage_reader`, not here.
 """
 
 from __future__ import annotations
@@ -242,6 +243,23 @@ def test_a_body_past_the_held_bound_is_scanned_not_held():
         assert read(JSON, broken, [c for c in cuts if c < len(broken)]) is None
 
 
+def test_deep_values_long_strings_and_escaped_keys_read_as_json_reads_them():
+    # Nested deeper than the scan's regex reads in one match, string runs longer than it
+    # matches (found with bytes.find), escapes between them; keys json is spared unless an
+    # escape could spell them.
+    run = "x" * 300
+    deep = '[{"a": ' * 7 + '"' + run + '\\"' + run + "\\\\" + '"' + "}]" * 7
+    text = '"' + ("\\n" + run) * 3 + '\\u0041"'
+    body = ('{"d": ' + deep + ', "s": ' + text + ', "usage": {"total_tokens": 30}}').encode()
+    assert reference(body, ["usage", "total_tokens"]) == 30
+    assert every_way(body) == {30}
+    assert every_way(body.replace(b'"total_tokens"', b'"total_tokens\\\\"')) == {None}
+    slash = parse_usage_source("json:a/b")
+    for spelled in b'{"a/b": 5}', b'{"a\\/b": 5}', b'{"\\u0061/b": 5}', b'{"a\\\\/b": 5, "x": "\\/"}':
+        assert read(slash, spelled) == reference(spelled, ["a/b"])
+        assert read(parse_usage_source("sse-json:a/b"), b"data: " + spelled + b"\n\n") == reference(spelled, ["a/b"])
+
+
 def test_a_compressed_body_is_not_read():
     assert read(JSON, OPENAI, headers={"Content-Encoding": "gzip"}) is None
     assert read(JSON, OPENAI, headers={"Content-Encoding": "identity"}) == 30
@@ -394,25 +412,20 @@ CHUNK = 64 * 1024
 def _stream(head: bytes, unit: bytes, units: int, tail: bytes) -> Iterator[bytes]:
     """head + unit * units + tail in CHUNK-byte pieces, cut anywhere, never held whole."""
     total = len(head) + len(unit) * units + len(tail)
+    body_end = total - len(tail)
     repeated = unit * (CHUNK // len(unit) + 2)
     position = 0
     while position < total:
-        size = min(CHUNK, total - position)
-        if position < len(head) or position + size > total - len(tail):
-            whole = head + repeated  # only at the two ends, where the stream is not the unit
-            piece = bytearray()
-            for offset in range(position, position + size):
-                if offset < len(head):
-                    piece.append(head[offset])
-                elif offset >= total - len(tail):
-                    piece.append(tail[offset - (total - len(tail))])
-                else:
-                    piece.append(whole[len(head) + (offset - len(head)) % len(unit)])
-            yield bytes(piece)
-        else:
-            start = (position - len(head)) % len(unit)
-            yield repeated[start : start + size]
-        position += size
+        stop = min(position + CHUNK, total)
+        parts = [head[position:stop]] if position < len(head) else []
+        at = max(position, len(head))
+        if at < min(stop, body_end):
+            start = (at - len(head)) % len(unit)
+            parts.append(repeated[start : start + min(stop, body_end) - at])
+        if stop > body_end:
+            parts.append(tail[max(position, body_end) - body_end : stop - body_end])
+        yield b"".join(parts)
+        position = stop
 
 
 FILLER = json.dumps(
