@@ -1,10 +1,16 @@
 """Concurrency leases: the pure model (gateway.limiter.leases), and the stores that carry it
 out (the in-process store, one Redis, a Redis Cluster) held to the same answers through the
-Store interface, on real redis-server processes."""
+Store interface, on real redis-server processes.
+
+The module is one xdist group, so that under `--dist loadgroup` one worker starts the Cluster
+and the redis-server, not each worker that draws one of its tests. The tests that wait for a
+lease to expire (its TTL is at least 1 s, as the config requires) wait in all three stores at once.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -28,6 +34,10 @@ routes:
     limits: [two, one]
 """
 LIMITS = {limit.name: limit for limit in config_from_yaml(LIMITS_YAML).concurrency_limits}
+STORES = ["memory", "redis", "cluster"]
+
+# A Redis Cluster takes about 2 s to start: one for the module, not one per worker.
+pytestmark = pytest.mark.xdist_group("concurrency_leases")
 
 
 # -- the model ---------------------------------------------------------------
@@ -106,23 +116,46 @@ def cluster_for_leases():
         yield cluster
 
 
-@pytest.fixture(params=["memory", "redis", "cluster"])
-async def store(request):
-    url = None
-    if request.param == "redis":
+def emptied_store_url(request: pytest.FixtureRequest, kind: str) -> str | None:
+    """The URL of the module's store of `kind` (None: the in-process store), emptied."""
+    if kind == "redis":
         server = request.getfixturevalue("redis_for_leases")
         with server.client() as client:
             client.flushall()
-        url = server.url
-    elif request.param == "cluster":
+        return server.url
+    if kind == "cluster":
         cluster = request.getfixturevalue("cluster_for_leases")
         for node in cluster.nodes[:3]:
             with cluster.node_client(node.port) as client:
                 if client.info("replication")["role"] == "master":
                     client.flushall()
-        url = cluster.url
-    async with open_store(url) as opened:
+        return cluster.url
+    return None
+
+
+@pytest.fixture(params=STORES)
+async def store(request):
+    async with open_store(emptied_store_url(request, request.param)) as opened:
         yield opened
+
+
+@pytest.fixture
+async def every_store(request):
+    """The three stores at once, by name, for the tests that wait out a TTL in each."""
+    async with contextlib.AsyncExitStack() as stack:
+        yield {kind: await stack.enter_async_context(open_store(emptied_store_url(request, kind))) for kind in STORES}
+
+
+async def in_each(stores: dict[str, Store], check) -> None:
+    """`check(store)` in every store at once; a failure names its store."""
+
+    async def named(kind: str, store: Store) -> None:
+        try:
+            await check(store)
+        except AssertionError as error:
+            raise AssertionError(f"{kind}: {error}") from error
+
+    await asyncio.gather(*(named(kind, store) for kind, store in stores.items()))
 
 
 def lease(name: str, lease_id: str, identity: str = "header:x-api-key=k") -> LeaseCheck:
@@ -151,22 +184,25 @@ async def test_every_store_admits_refuses_renews_and_releases_as_the_model_does(
     assert not (await store.acquire(lease("two", "d"))).admitted
 
 
-async def test_every_store_frees_an_unreleased_lease_after_its_ttl_and_not_before(store: Store):
-    before = time.monotonic()  # the lease is taken no earlier than this
-    assert (await store.acquire(lease("one", "dead"))).admitted  # lease_ttl 1s, never released
-    assert not (await store.acquire(lease("one", "next"))).admitted
-    admitted_at = [0.0]
+async def test_every_store_frees_an_unreleased_lease_after_its_ttl_and_not_before(every_store: dict[str, Store]):
+    async def frees(store: Store) -> None:
+        before = time.monotonic()  # the lease is taken no earlier than this
+        assert (await store.acquire(lease("one", "dead"))).admitted  # lease_ttl 1s, never released
+        assert not (await store.acquire(lease("one", "next"))).admitted
+        admitted_at = [0.0]
 
-    async def admitted() -> bool:
-        if (await store.acquire(lease("one", "next"))).admitted:
-            admitted_at[0] = time.monotonic()
-            return True
-        return False
+        async def admitted() -> bool:
+            if (await store.acquire(lease("one", "next"))).admitted:
+                admitted_at[0] = time.monotonic()
+                return True
+            return False
 
-    await eventually(admitted, what="the dead lease to expire", deadline=5)
-    # Not before the TTL, from a moment no later than the take (Redis counts whole
-    # milliseconds, so its clock may read up to 1 ms behind at the take).
-    assert admitted_at[0] - before >= 1.0 - 0.001
+        await eventually(admitted, what="the dead lease to expire", deadline=5)
+        # Not before the TTL, from a moment no later than the take (Redis counts whole
+        # milliseconds, so its clock may read up to 1 ms behind at the take).
+        assert admitted_at[0] - before >= 1.0 - 0.001
+
+    await in_each(every_store, frees)
 
 
 async def test_redis_times_a_lease_by_its_own_clock_to_the_millisecond(redis_for_leases):
@@ -215,16 +251,19 @@ async def test_every_store_reads_and_forgets_an_identitys_leases_for_the_admin_a
     assert (await store.read_leases(LIMITS["two"], "header:x-api-key=k")).in_flight == 2
 
 
-async def test_an_expired_lease_is_read_as_gone_and_a_reset_finds_none_live(store: Store):
-    assert (await store.acquire(lease("one", "dead"))).admitted  # lease_ttl 1s, never released or renewed
-    held = await store.read_leases(LIMITS["one"], "header:x-api-key=k")
-    assert held.in_flight == 1 and 0 < held.next_expiry_in <= 1
+async def test_an_expired_lease_is_read_as_gone_and_a_reset_finds_none_live(every_store: dict[str, Store]):
+    async def read_as_gone(store: Store) -> None:
+        assert (await store.acquire(lease("one", "dead"))).admitted  # lease_ttl 1s, never released or renewed
+        held = await store.read_leases(LIMITS["one"], "header:x-api-key=k")
+        assert held.in_flight == 1 and 0 < held.next_expiry_in <= 1
 
-    async def expired() -> bool:
-        return (await store.read_leases(LIMITS["one"], "header:x-api-key=k")).in_flight == 0
+        async def expired() -> bool:
+            return (await store.read_leases(LIMITS["one"], "header:x-api-key=k")).in_flight == 0
 
-    await eventually(expired, what="the lease to expire", deadline=5)
-    assert await store.delete_leases(LIMITS["one"], "header:x-api-key=k") is False
+        await eventually(expired, what="the lease to expire", deadline=5)
+        assert await store.delete_leases(LIMITS["one"], "header:x-api-key=k") is False
+
+    await in_each(every_store, read_as_gone)
 
 
 async def test_a_lease_set_lives_no_longer_than_its_last_lease(redis_for_leases):

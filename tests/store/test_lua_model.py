@@ -129,6 +129,10 @@ class TokenBucketAgainstModel(RuleBasedStateMachine):
         self.clock = start
         self.redis.set_clock(start)
         self.retry_ms = 0
+        # Built once per example, not per draw: a new strategy object is validated and
+        # analysed on its first draw, which cost more than the script calls themselves.
+        self.choices = st.lists(st.sampled_from(range(len(limits))), min_size=1, unique=True)
+        self.costs = [st.one_of(st.just(0), st.integers(1, int(capacity) + 2)) for capacity, _ in limits]
         for _capacity, rate in limits:
             coverage["rate <= 1e-5"] += rate <= 1e-5
             coverage["rate >= 1e5"] += rate >= 1e5
@@ -154,11 +158,8 @@ class TokenBucketAgainstModel(RuleBasedStateMachine):
 
     def draw_check(self, data: st.DataObject) -> tuple[list[int], list[int]]:
         """Some of the limits, and a cost for each."""
-        chosen = data.draw(st.lists(st.sampled_from(range(len(self.limits))), min_size=1, unique=True), label="limits")
-        costs = [
-            data.draw(st.one_of(st.just(0), st.integers(1, int(self.limits[i][0]) + 2)), label=f"cost{i}")
-            for i in chosen
-        ]
+        chosen = data.draw(self.choices, label="limits")
+        costs = [data.draw(self.costs[i], label=f"cost{i}") for i in chosen]
         return chosen, costs
 
     @rule(data=st.data())
