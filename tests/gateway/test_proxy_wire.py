@@ -6,7 +6,8 @@ length ends for an HTTP/1.0 client.
 The gateway runs as users run it (GatewayProcess). The upstream is a bare
 HTTP/1.1 server on asyncio streams, as minimal as RFC 9112 allows: it reads a
 body without sending 100 Continue (a server need not send one), answers with
-no Content-Type, and echoes the request head it received."""
+no Content-Type, and echoes the request head it received. The tests share one gateway and
+upstream on the module's event loop: only one of them spends the limited route's token."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
+import pytest_asyncio
 from yarl import URL
 
 from tests.processes import GatewayProcess
@@ -23,6 +25,8 @@ from tests.raw_client import RAW_TIMEOUT, raw_exchange, values
 # An upstream that never answers would hold the old gateway for 60 s (timeout.read);
 # this is long for loopback and short for a test.
 READ_TIMEOUT = "3s"
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
 async def _bare(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -57,7 +61,7 @@ async def bare_upstream() -> AsyncIterator[str]:
         await server.wait_closed()
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def gateway():
     async with bare_upstream() as upstream:
         config = f"""

@@ -1,7 +1,8 @@
 """`response:` at the top level and per limit (the limit's keys override the global
 ones): the rejection status (429 or 503), a body template with {limit} and
 {retry_after}, and the header style (ietf, x-ratelimit, none). Each style is
-shown through `python -m gateway run`, as is the honest local fallback (a store
+shown through one `python -m gateway run` that the tests share (each its own route and
+limits), as is the honest local fallback (a store
 that refuses connections, `on_store_error: local`, `local_divisor: 4`). The
 template syntax and the config's validation are checked without a gateway."""
 
@@ -26,6 +27,7 @@ response: {{headers: x-ratelimit}}
 limits:
   plain: {{rate: 1/hour, burst: 2}}
   ietf: {{rate: 1/hour, burst: 2, response: {{headers: ietf}}}}
+  alone: {{rate: 1/hour, burst: 2, response: {{headers: ietf}}}}
   hidden:
     rate: 1/hour
     burst: 1
@@ -38,7 +40,7 @@ limits:
   busy: {{rate: 1/hour, burst: 1, response: {{status: 503}}}}
 routes:
   - {{match: {{path: /x}}, upstream: {upstream}, strip_prefix: true, limits: [plain]}}
-  - {{match: {{path: /ietf}}, upstream: {upstream}, strip_prefix: true, limits: [ietf]}}
+  - {{match: {{path: /ietf}}, upstream: {upstream}, strip_prefix: true, limits: [alone]}}
   - {{match: {{path: /none}}, upstream: {upstream}, strip_prefix: true, limits: [hidden]}}
   - {{match: {{path: /two}}, upstream: {upstream}, strip_prefix: true, limits: [wide, ietf]}}
   - {{match: {{path: /busy}}, upstream: {upstream}, strip_prefix: true, limits: [busy]}}
@@ -56,9 +58,11 @@ def fields(headers: CIMultiDict[str]) -> dict[str, str]:
     return {name: headers[name] for name in RATELIMIT_FIELDS if name in headers}
 
 
-@pytest.fixture
-def styles_gateway(upstream):
-    with GatewayProcess(STYLES.format(upstream=upstream)) as gateway:
+@pytest.fixture(scope="module")
+def styles_gateway(module_upstream):
+    """The tests of the styles share one gateway: each sends to a route of its own, whose
+    limits no other route has (a limit's bucket is one across the routes that name it)."""
+    with GatewayProcess(STYLES.format(upstream=module_upstream)) as gateway:
         yield gateway
 
 
@@ -79,7 +83,7 @@ async def test_x_ratelimit_style_from_the_top_level(styles_gateway, client):
 async def test_ietf_style_overrides_the_top_level_for_its_limit(styles_gateway, client):
     status, headers, _ = await get(client, styles_gateway.url + "/ietf/echo")
     assert status == 200
-    assert fields(headers) == {"RateLimit-Policy": '"ietf";q=2;w=7200', "RateLimit": '"ietf";r=1;t=3600'}
+    assert fields(headers) == {"RateLimit-Policy": '"alone";q=2;w=7200', "RateLimit": '"alone";r=1;t=3600'}
 
 
 async def test_none_style_sends_no_fields_but_its_rejection_keeps_retry_after_status_and_body(styles_gateway, client):

@@ -4,21 +4,20 @@ TLS/1.0, ...) is declined: the request is answered as plain HTTP/1.1, the upstre
 sees the Upgrade, and every request pipelined behind it is answered too.
 
 The gateway runs as users run it (GatewayProcess); the upstream is the tests' aiohttp
-app, whose /echo reports the request head it received. Bytes go over a raw socket."""
+app, whose /echo reports the request head it received. Bytes go over a raw socket. The
+tests share one gateway and upstream: each has connections of its own, and nothing is limited."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 
 import pytest
 from yarl import URL
 
 from tests.processes import GatewayProcess
 from tests.raw_client import RAW_TIMEOUT
-from tests.upstream import running_upstream
 
 HANDSHAKE = (
     b"GET /ws HTTP/1.1\r\nHost: gw\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
@@ -27,20 +26,19 @@ HANDSHAKE = (
 H2C = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
 
 
-@contextlib.asynccontextmanager
-async def gateway_and_upstream() -> AsyncIterator[GatewayProcess]:
-    async with running_upstream() as upstream:
-        config = f"""
+@pytest.fixture(scope="module")
+def gw(module_upstream) -> Iterator[GatewayProcess]:
+    config = f"""
 listen: 127.0.0.1:0
 admin_listen: 127.0.0.1:0
 shutdown_grace: 1s
 routes:
   - match: {{path: /}}
-    upstream: {upstream}
+    upstream: {module_upstream}
     timeout: {{read: 3s}}
 """
-        with GatewayProcess(config) as process:
-            yield process
+    with GatewayProcess(config) as process:
+        yield process
 
 
 async def exchange(url: str, data: bytes, count: int) -> list[tuple[list[bytes], dict]]:
@@ -69,31 +67,29 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[list[bytes], dict
     [b"Content-Length: 5\r\n\r\n", b"Content-Length: 5\r\n\r\nhello", b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"],
     ids=["length-without-body", "length-and-body", "chunked"],
 )
-async def test_a_websocket_handshake_with_a_body_gets_400_and_the_connection_closes(framing):
+async def test_a_websocket_handshake_with_a_body_gets_400_and_the_connection_closes(gw, framing):
     """Forwarded, the announced body never came and the upstream waited for it until
     timeout.read; or its bytes were read as the first frames."""
-    async with gateway_and_upstream() as gw:
-        ((lines, problem),) = await exchange(gw.url, HANDSHAKE + framing, 1)
+    ((lines, problem),) = await exchange(gw.url, HANDSHAKE + framing, 1)
     assert lines[0] == b"HTTP/1.1 400 Bad Request"
     assert b"Connection: close" in lines  # its body is never read as frames or requests
     assert problem["detail"] == "A WebSocket handshake must be a GET request without a body."
 
 
-async def test_a_websocket_handshake_by_another_method_gets_400_and_an_empty_length_is_no_body():
-    async with gateway_and_upstream() as gw:
-        ((lines, _),) = await exchange(gw.url, HANDSHAKE.replace(b"GET ", b"POST ", 1) + b"Content-Length: 0\r\n\r\n", 1)
-        assert lines[0] == b"HTTP/1.1 400 Bad Request"
-        target = URL(gw.url)
-        reader, writer = await asyncio.open_connection(target.host, target.port)
-        try:
-            writer.write(HANDSHAKE + b"Content-Length: 0\r\n\r\n")
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), RAW_TIMEOUT)
-        finally:
-            writer.close()
+async def test_a_websocket_handshake_by_another_method_gets_400_and_an_empty_length_is_no_body(gw):
+    ((lines, _),) = await exchange(gw.url, HANDSHAKE.replace(b"GET ", b"POST ", 1) + b"Content-Length: 0\r\n\r\n", 1)
+    assert lines[0] == b"HTTP/1.1 400 Bad Request"
+    target = URL(gw.url)
+    reader, writer = await asyncio.open_connection(target.host, target.port)
+    try:
+        writer.write(HANDSHAKE + b"Content-Length: 0\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), RAW_TIMEOUT)
+    finally:
+        writer.close()
     assert head.startswith(b"HTTP/1.1 101 Switching Protocols\r\n")
 
 
-async def test_every_request_pipelined_behind_a_declined_upgrade_is_answered():
+async def test_every_request_pipelined_behind_a_declined_upgrade_is_answered(gw):
     """llhttp stops at a request with Connection: upgrade, and aiohttp dropped the rest of
     the read: b and c were never answered, and the connection waited out keepalive_timeout."""
     pipelined = (
@@ -102,18 +98,17 @@ async def test_every_request_pipelined_behind_a_declined_upgrade_is_answered():
         b"GET /echo/c HTTP/1.1\r\nHost: gw\r\nConnection: upgrade\r\nUpgrade: TLS/1.0\r\n\r\n"
         b"GET /echo/d HTTP/1.1\r\nHost: gw\r\n\r\n"
     )
-    async with gateway_and_upstream() as gw:
-        answered = await exchange(gw.url, pipelined, 4)
-        # On a connection kept alive: the declined upgrade alone, then one more request.
-        target = URL(gw.url)
-        reader, writer = await asyncio.open_connection(target.host, target.port)
-        try:
-            writer.write(b"GET /echo/e HTTP/1.1\r\nHost: gw\r\n" + H2C + b"\r\n")
-            answered.append(await read_response(reader))
-            writer.write(b"GET /echo/f HTTP/1.1\r\nHost: gw\r\n\r\n")
-            answered.append(await read_response(reader))
-        finally:
-            writer.close()
+    answered = await exchange(gw.url, pipelined, 4)
+    # On a connection kept alive: the declined upgrade alone, then one more request.
+    target = URL(gw.url)
+    reader, writer = await asyncio.open_connection(target.host, target.port)
+    try:
+        writer.write(b"GET /echo/e HTTP/1.1\r\nHost: gw\r\n" + H2C + b"\r\n")
+        answered.append(await read_response(reader))
+        writer.write(b"GET /echo/f HTTP/1.1\r\nHost: gw\r\n\r\n")
+        answered.append(await read_response(reader))
+    finally:
+        writer.close()
     assert [lines[0] for lines, _ in answered] == [b"HTTP/1.1 200 OK"] * 6
     assert [echo["path"] for _, echo in answered] == ["/echo/a", "/echo/b", "/echo/c", "/echo/d", "/echo/e", "/echo/f"]
     for _, echo in answered:
@@ -121,7 +116,7 @@ async def test_every_request_pipelined_behind_a_declined_upgrade_is_answered():
         assert not names & {"upgrade", "http2-settings", "connection"}, echo["headers"]
 
 
-async def test_a_declined_upgrade_with_a_body_is_answered_and_then_its_connection_closes():
+async def test_a_declined_upgrade_with_a_body_is_answered_and_then_its_connection_closes(gw):
     """Where llhttp resumes after such a request is not known for sure, so nothing behind it
     is read as a request: the connection closes after its answer (a pipelining client sends
     the rest again), rather than staying silent until keepalive_timeout."""
@@ -129,15 +124,14 @@ async def test_a_declined_upgrade_with_a_body_is_answered_and_then_its_connectio
         b"POST /echo/a HTTP/1.1\r\nHost: gw\r\nContent-Length: 5\r\n" + H2C + b"\r\nhello"
         b"GET /echo/b HTTP/1.1\r\nHost: gw\r\n\r\n"
     )
-    async with gateway_and_upstream() as gw:
-        target = URL(gw.url)
-        reader, writer = await asyncio.open_connection(target.host, target.port)
-        try:
-            writer.write(upgrade_with_body)
-            lines, echo = await read_response(reader)
-            rest = await asyncio.wait_for(reader.read(), RAW_TIMEOUT)
-        finally:
-            writer.close()
+    target = URL(gw.url)
+    reader, writer = await asyncio.open_connection(target.host, target.port)
+    try:
+        writer.write(upgrade_with_body)
+        lines, echo = await read_response(reader)
+        rest = await asyncio.wait_for(reader.read(), RAW_TIMEOUT)
+    finally:
+        writer.close()
     assert lines[0] == b"HTTP/1.1 200 OK" and b"Connection: close" in lines
     assert (echo["path"], echo["body"]) == ("/echo/a", "hello")
     assert rest == b""
