@@ -100,7 +100,9 @@ def _parsed(method: str, target: str) -> URL:
         messages, _, _ = parser.feed_data(line)
     except (HttpProcessingError, ValueError) as exc:
         raise TargetRefused(parser_refusal(exc)) from None
-    if len(messages) != 1:
+    # The target must be read whole: a trailing space is the line's separator to llhttp, so
+    # `/? ` would be decided as `/?` while the proxy forwards the space.
+    if len(messages) != 1 or messages[0][0].path != target:
         raise TargetRefused(parser_refusal(None))
     url: URL = messages[0][0].url
     return url
