@@ -13,12 +13,15 @@ from tests.upstream import running_upstream, upstream_in_a_thread
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the group from the marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules marked `timing` (all in tests/load/) measure latency, load, exactness under load or memory:
-    under pytest-xdist they form one group, so one worker runs them one at a time while
-    the others run the rest (whose processes run at normal priority, below the real-time
-    Redis these tests start)."""
+    """The modules marked `timing`, exactly those in tests/load/, measure latency, load or
+    exactness under load: under pytest-xdist they form one group, so one worker runs them one
+    at a time while the others run the rest (whose processes run at normal priority, below the
+    real-time Redis these tests start)."""
     for item in items:
-        if item.get_closest_marker("timing") is not None:
+        timing = item.get_closest_marker("timing") is not None
+        if timing != (item.path.parent.name == "load"):
+            raise pytest.UsageError(f"{item.nodeid}: tests/load/ holds the modules marked timing, and only they are")
+        if timing:
             item.add_marker(pytest.mark.xdist_group("timing"))
 
 

@@ -4,7 +4,7 @@ Measured before: a limit keyed `[header:Authorization, ip]` answered a 1,845-byt
 JWT (the size Azure AD and Okta issue) with 431, and `cookie:session` the same value too;
 beside nginx that became a 403, and the snippet's 429. The cap is now `identity_max_length`
 (8 KiB by default, any value one header line carries); what the gateway remembers per
-identity stays a 16-byte digest (tests/load/test_identity_memory.py). Here, on the public
+identity stays a 16-byte digest (tests/gateway/test_identity_memory.py). Here, on the public
 listener and through the real nginx with the snippet docs/beside-proxies.md gives: tokens
 and cookies of 1,845 bytes and 7 KiB are identities, each its own bucket; past the cap the
 answer is 431 problem+json naming the cap, charging nothing, which /decide/nginx says as

@@ -16,7 +16,7 @@ than the gateway may. The limit refills one unit a year, so what the admin API s
 missing from the bucket is what was charged.
 
 Sizes: 5 GiB for the stream; for the JSON body, the 1 GiB every response streams within
-today (tests/load/test_proxy_streaming.py). What limits the relay is CPU on both cores:
+today (tests/gateway/test_proxy_streaming.py). What limits the relay is CPU on both cores:
 for the stream the gateway spent about 9 s (half of it in the usage reader, which spares
 json every chunk without the usage's key) and this test's process about 12 s, 7 of them
 in its two SHA-1s; for the body, 1 s and 2.5 s (the reader finds the end of the long

@@ -7,7 +7,7 @@ clients are raw sockets; the gateway and the upstream are real.
 
 - An idle, unfinished head lasted over 100 s (nginx: 60 s): client_header_timeout.
 - 126 headers of 8 KB (~1 MB) were accepted and forwarded: max_header_size, 431.
-  (300 such unfinished heads took RSS from 232 MB to 649 MB: see test_header_memory.py.)
+  (300 such unfinished heads took RSS from 232 MB to 649 MB: see tests/gateway/test_header_memory.py.)
 - 1,000 chunked POSTs at one byte every 5 s took all 1,000 upstream connections
   and every other route on that upstream stopped answering: client_body_timeout
   and a bounded wait for an upstream connection (503, counted as

@@ -12,7 +12,6 @@ from __future__ import annotations
 import tracemalloc
 
 import aiohttp
-import pytest
 
 from gateway.config.model import DEFAULT_IDENTITY_MAX_LENGTH
 from gateway.limiter.denial_cache import DenialCache
@@ -25,8 +24,6 @@ from tests.helpers import flood
 from tests.load.test_denial_cache import limit
 from tests.processes import GatewayProcess
 from tests.upstream import CountingUpstream, serving
-
-pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
 
 def long_identity(i: int, length: int = DEFAULT_IDENTITY_MAX_LENGTH) -> str:

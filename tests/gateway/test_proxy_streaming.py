@@ -19,8 +19,6 @@ import pytest
 from tests.processes import GatewayProcess, PeakRss
 from tests.upstream import running_upstream
 
-pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
-
 GIB = 1 << 30
 RSS_LIMIT = 150 * 1000 * 1000
 UPLOAD_BLOCK = b"u" * (1 << 20)

@@ -21,12 +21,9 @@ import asyncio
 import contextlib
 
 import aiohttp
-import pytest
 
 from tests.processes import GatewayProcess
 from tests.upstream import running_upstream
-
-pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
 ATTEMPTS = 3
 GROWTH_LIMIT = 20 * 1000 * 1000  # bounded: under 1 MB measured; unbounded: ~360 MB an attempt

@@ -15,13 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import pytest
 from yarl import URL
 
 from tests.processes import GatewayProcess
 from tests.upstream import running_upstream
-
-pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
 HEADS = 100
 # The reported head: 126 lines of 8 KB, about 1 MB, never finished.

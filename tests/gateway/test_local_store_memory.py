@@ -12,15 +12,12 @@ import asyncio
 import json
 
 import aiohttp
-import pytest
 
 from gateway.limiter.memory_store import ENTRY_BYTES
 from tests.helpers import flood
 from tests.processes import GatewayProcess, eventually
 from tests.scrape import decisions, scrape, value
 from tests.upstream import CountingUpstream, serving
-
-pytestmark = pytest.mark.timing  # measures time, load or memory: one such module runs at a time
 
 EVICTIONS = "gateway_local_store_evictions_total"
 
