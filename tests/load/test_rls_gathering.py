@@ -22,6 +22,8 @@ from gateway.envoy.gathering import Gathering
 from tests.processes import GatewayProcess, RedisServer, free_port
 from tests.scrape import scrape, value
 
+pytestmark = pytest.mark.timing  # how many decisions share a script call depends on how many arrive at once
+
 grpc = pytest.importorskip("grpc")  # the test extra has it; skipped only where it is truly missing
 from gateway.envoy.generated import ratelimit_pb2, rls_pb2, rls_pb2_grpc  # noqa: E402
 
