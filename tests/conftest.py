@@ -1,6 +1,7 @@
 """Fixtures every test module may use: a real aiohttp upstream (one per test, or one per module
 in a thread), a private redis-server, a master with a replica watched by three sentinels, an
-HTTP client."""
+HTTP client. And the hooks that keep the timing modules (tests/load/) in one xdist worker, one
+at a time and ahead of the other workers."""
 
 import contextlib
 import os
