@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 
 from gateway.envoy.gathering import Gathering
+from tests.load.test_envoy_rls import GATEWAY
 from tests.processes import GatewayProcess, RedisServer, free_port
 from tests.scrape import scrape, value
 
@@ -87,14 +88,6 @@ domain: gather
 descriptors:
   - key: client
     rate_limit: {unit: hour, requests_per_unit: 1}
-"""
-GATEWAY = """
-store: {{url: "{url}"}}
-rls_listen: 127.0.0.1:{port}
-rls_config: {directory}
-routes:
-  - match: {{path: /}}
-    upstream: http://127.0.0.1:9
 """
 CHANNELS = 4
 CALLS_AT_ONCE = 200
